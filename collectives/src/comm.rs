@@ -1,0 +1,463 @@
+//! [`Communicator`]: the collectives over one mesh of TCP connections.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use crate::config::CommConfig;
+use crate::connect;
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{CommError, Result};
+use crate::link::{AbortHandle, LinkFailure, Shared, discard, read_full, write_full};
+use crate::pipeline::{self, Mode, Recv};
+use crate::wire::{DESCRIPTOR_LEN, Descriptor};
+
+/// One rank's end of a group of ranks connected all-to-all, running collectives.
+///
+/// Build one per membership with [`Communicator::connect`]; when membership changes (or a
+/// transport error breaks it), drop it and connect a new one: nothing is global, so a process
+/// can rebuild its communicator as often as it needs to.
+#[derive(Debug)]
+pub struct Communicator {
+    pub(crate) cfg: CommConfig,
+    pub(crate) readers: Vec<Option<TcpStream>>,
+    pub(crate) writers: Vec<Option<TcpStream>>,
+    read_timeouts: Vec<Option<Duration>>,
+    pub(crate) shared: Arc<Shared>,
+    seq: u64,
+    broken: Option<String>,
+    txbuf: Vec<u8>,
+}
+
+/// How long a read may wait: for peers to arrive, or for data from peers already there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Arrival,
+    Data,
+}
+
+impl Communicator {
+    /// A world of one: every collective returns at once with this rank's data.
+    pub fn single() -> Self {
+        Self::from_streams(CommConfig::new(0, 1, ""), vec![None])
+    }
+
+    /// Connects rank `cfg.rank` to every peer: `peers[j]` is where rank `j` listens, and
+    /// `listener` is this rank's own listener (bound before the addresses were exchanged).
+    ///
+    /// # Errors
+    /// [`CommError::InvalidArgument`] for a bad config, [`CommError::Connect`] when a peer cannot
+    /// be reached or refuses the handshake within `cfg.connect_timeout`.
+    pub fn connect(cfg: CommConfig, listener: &TcpListener, peers: &[SocketAddr]) -> Result<Self> {
+        cfg.validate()
+            .map_err(|detail| CommError::InvalidArgument {
+                op: "connect",
+                detail,
+            })?;
+        if peers.len() != cfg.size {
+            return Err(CommError::InvalidArgument {
+                op: "connect",
+                detail: format!("{} peer addresses for a world of {}", peers.len(), cfg.size),
+            });
+        }
+        let streams = connect::mesh(&cfg, listener, peers)?;
+        let comm = Self::from_streams(cfg, streams);
+        tracing::debug!(
+            rank = comm.rank(),
+            size = comm.size(),
+            "communicator connected"
+        );
+        Ok(comm)
+    }
+
+    fn from_streams(cfg: CommConfig, streams: Vec<Option<TcpStream>>) -> Self {
+        let shared = Arc::new(Shared::default());
+        let mut readers = Vec::with_capacity(streams.len());
+        let mut writers = Vec::with_capacity(streams.len());
+        let mut broken = None;
+        for s in streams {
+            let pair = s.map(|s| -> std::io::Result<_> {
+                shared.register(&s)?;
+                let w = s.try_clone()?;
+                Ok((s, w))
+            });
+            match pair {
+                Some(Ok((r, w))) => {
+                    readers.push(Some(r));
+                    writers.push(Some(w));
+                }
+                Some(Err(e)) => {
+                    broken = Some(format!("could not duplicate a socket: {e}"));
+                    readers.push(None);
+                    writers.push(None);
+                }
+                None => {
+                    readers.push(None);
+                    writers.push(None);
+                }
+            }
+        }
+        let n = readers.len();
+        Self {
+            cfg,
+            readers,
+            writers,
+            read_timeouts: vec![None; n],
+            shared,
+            seq: 0,
+            broken,
+            txbuf: Vec::new(),
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.cfg.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.cfg.size
+    }
+
+    /// A handle that aborts this communicator from another thread.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
+    /// Why this communicator can no longer be used, if it can't.
+    pub fn broken_reason(&self) -> Option<&str> {
+        self.broken.as_deref()
+    }
+
+    /// Starts a collective: refuses on a broken communicator, returns the call's number.
+    pub(crate) fn begin(&mut self) -> Result<u64> {
+        if let Some(reason) = self.shared.abort_reason() {
+            return Err(CommError::Aborted { reason });
+        }
+        if let Some(cause) = &self.broken {
+            return Err(CommError::Broken {
+                cause: cause.clone(),
+            });
+        }
+        let seq = self.seq;
+        self.seq += 1;
+        Ok(seq)
+    }
+
+    /// Records a fatal error so that every later call reports it, and closes the sockets so
+    /// that peers blocked on this rank fail too.
+    pub(crate) fn fail(&mut self, e: CommError) -> CommError {
+        if e.is_fatal() && self.broken.is_none() {
+            self.broken = Some(e.to_string());
+            self.shared.trip();
+        }
+        e
+    }
+
+    pub(crate) fn link_error(
+        &mut self,
+        f: LinkFailure,
+        op: &'static str,
+        phase: Phase,
+    ) -> CommError {
+        let waited = self.timeout_for(phase);
+        let e = f.into_error(&self.shared, op, waited);
+        self.fail(e)
+    }
+
+    fn timeout_for(&self, phase: Phase) -> Duration {
+        match phase {
+            Phase::Arrival => self.cfg.arrival_timeout,
+            Phase::Data => self.cfg.progress_timeout,
+        }
+    }
+
+    /// Sets the read timeout of every peer socket for the coming phase (only where it changes).
+    pub(crate) fn set_phase(&mut self, phase: Phase) -> std::result::Result<(), LinkFailure> {
+        let t = Some(self.timeout_for(phase));
+        for (j, r) in self.readers.iter().enumerate() {
+            if let Some(s) = r {
+                if self.read_timeouts[j] != t {
+                    s.set_read_timeout(t)
+                        .map_err(|e| LinkFailure::new(&self.shared, j, e))?;
+                    s.set_write_timeout(Some(self.cfg.progress_timeout))
+                        .map_err(|e| LinkFailure::new(&self.shared, j, e))?;
+                    self.read_timeouts[j] = t;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The opening of every collective: sends `out(peer)` (a descriptor and an inline payload)
+    /// to every peer and reads every peer's descriptor, handing inline payloads to `sink`, which
+    /// must consume exactly `payload_len` bytes. Returns all descriptors by rank, after checking
+    /// that they agree.
+    ///
+    /// `local` is this rank's own verdict on its arguments: an invalid call still takes part in
+    /// the exchange (flagged), so every rank returns an error instead of waiting for it.
+    pub(crate) fn open<'p>(
+        &mut self,
+        mine: Descriptor,
+        local: std::result::Result<(), String>,
+        out: impl Fn(usize) -> (Descriptor, &'p [u8]),
+        mut sink: impl FnMut(usize, &Descriptor, &mut TcpStream) -> std::io::Result<()>,
+    ) -> Result<Vec<Descriptor>> {
+        let op = mine.kind.name();
+        let (n, r) = (self.size(), self.rank());
+        let invalid = local.is_err();
+        let flag = |mut d: Descriptor| {
+            if invalid {
+                d.invalid = true;
+                d.payload_len = 0;
+            }
+            d
+        };
+        let sent = self.set_phase(Phase::Arrival).and_then(|()| {
+            for k in 1..n {
+                let p = (r + k) % n;
+                let (d, payload) = out(p);
+                let d = flag(d);
+                self.txbuf.clear();
+                self.txbuf.extend_from_slice(&d.encode());
+                // Only what the descriptor announces goes on the wire.
+                if d.payload_len > 0 {
+                    debug_assert_eq!(d.payload_len, payload.len() as u64);
+                    self.txbuf.extend_from_slice(payload);
+                }
+                if let Some(w) = self.writers[p].as_mut() {
+                    write_full(w, &self.txbuf).map_err(|e| LinkFailure::new(&self.shared, p, e))?;
+                }
+            }
+            Ok(())
+        });
+        if let Err(f) = sent {
+            return Err(self.link_error(f, op, Phase::Arrival));
+        }
+        let mut descs = vec![flag(mine); n];
+        for k in 1..n {
+            let p = (r + n - k) % n;
+            let Some(reader) = self.readers[p].as_mut() else {
+                continue;
+            };
+            let mut head = [0u8; DESCRIPTOR_LEN];
+            if let Err(e) = read_full(reader, &mut head) {
+                let f = LinkFailure::new(&self.shared, p, e);
+                return Err(self.link_error(f, op, Phase::Arrival));
+            }
+            let d = match Descriptor::decode(&head) {
+                Ok(d) => d,
+                Err(detail) => return Err(self.fail(CommError::Protocol { rank: p, detail })),
+            };
+            if d.payload_len > 0 {
+                if let Err(e) = sink(p, &d, reader) {
+                    let f = LinkFailure::new(&self.shared, p, e);
+                    return Err(self.link_error(f, op, Phase::Arrival));
+                }
+            }
+            descs[p] = d;
+        }
+        if let Err(detail) = local {
+            return Err(CommError::InvalidArgument { op, detail });
+        }
+        if let Some(j) = descs.iter().position(|d| d.invalid) {
+            return Err(CommError::RemoteInvalid { rank: j, op });
+        }
+        for j in 1..n {
+            if !descs[j].agrees_with(&descs[0]) {
+                let mut desc_b = descs[j].to_string();
+                if descs[j].seq != descs[0].seq {
+                    desc_b = format!("{desc_b} as its call #{}", descs[j].seq);
+                }
+                return Err(CommError::Mismatch {
+                    seq: descs[0].seq,
+                    rank_a: 0,
+                    desc_a: descs[0].to_string(),
+                    rank_b: j,
+                    desc_b,
+                });
+            }
+        }
+        Ok(descs)
+    }
+
+    /// Runs a pipelined ring schedule between the left and right neighbours.
+    pub(crate) fn ring<T: Element>(
+        &mut self,
+        op: &'static str,
+        segments: Vec<&mut [T]>,
+        first: &[usize],
+        recvs: &[Recv],
+        left: usize,
+        right: usize,
+    ) -> Result<()> {
+        if let Err(f) = self.set_phase(Phase::Data) {
+            return Err(self.link_error(f, op, Phase::Data));
+        }
+        let (Some(reader), Some(writer)) =
+            (self.readers[left].as_mut(), self.writers[right].as_mut())
+        else {
+            return Err(self.fail(CommError::Broken {
+                cause: "missing ring connection".into(),
+            }));
+        };
+        let res = pipeline::run(
+            &self.shared,
+            reader,
+            left,
+            writer,
+            right,
+            segments,
+            first,
+            recvs,
+        );
+        res.map_err(|f| self.link_error(f, op, Phase::Data))
+    }
+
+    /// Exchanges large payloads with every peer at once: at step `k` this rank sends to
+    /// `rank + k` while it receives from `rank - k`, so every send meets a receive and no pair
+    /// waits on another. `sends[p]`/`recvs[p]` are `None` where nothing moves.
+    pub(crate) fn pairwise(
+        &mut self,
+        op: &'static str,
+        sends: &[Option<&[u8]>],
+        recvs: &mut [Option<&mut [u8]>],
+    ) -> Result<()> {
+        if let Err(f) = self.set_phase(Phase::Data) {
+            return Err(self.link_error(f, op, Phase::Data));
+        }
+        let (n, r) = (self.size(), self.rank());
+        let shared = &*self.shared;
+        let writers = &mut self.writers;
+        let readers = &mut self.readers;
+        let res = thread::scope(|scope| {
+            let sender = scope.spawn(move || -> std::result::Result<(), LinkFailure> {
+                for k in 1..n {
+                    let p = (r + k) % n;
+                    if let (Some(buf), Some(w)) = (sends[p], writers[p].as_mut()) {
+                        write_full(w, buf).map_err(|e| LinkFailure::new(shared, p, e))?;
+                    }
+                }
+                Ok(())
+            });
+            let mut received = Ok(());
+            for k in 1..n {
+                let p = (r + n - k) % n;
+                if let (Some(buf), Some(rd)) = (recvs[p].as_deref_mut(), readers[p].as_mut()) {
+                    if let Err(e) = read_full(rd, buf) {
+                        received = Err(LinkFailure::new(shared, p, e));
+                        break;
+                    }
+                }
+            }
+            let sent = sender.join().unwrap_or_else(|_| {
+                Err(LinkFailure::new(
+                    shared,
+                    r,
+                    std::io::Error::other("sender thread panicked"),
+                ))
+            });
+            match (received, sent) {
+                (Ok(()), Ok(())) => Ok(()),
+                (Err(a), Err(b)) => Err(if b.primary && !a.primary { b } else { a }),
+                (Err(e), _) | (_, Err(e)) => Err(e),
+            }
+        });
+        res.map_err(|f| self.link_error(f, op, Phase::Data))
+    }
+
+    /// Whether a buffer of `bytes` takes the latency-optimal path.
+    pub(crate) fn is_small(&self, bytes: usize) -> bool {
+        bytes <= self.cfg.small_bytes
+    }
+
+    pub(crate) fn segment_elems<T>(&self) -> usize {
+        (self.cfg.segment_bytes / size_of::<T>()).max(1)
+    }
+}
+
+/// Reads an inline payload into `dst` when it is what this rank expects, else drops it.
+pub(crate) fn take_payload<T: Element>(
+    reader: &mut TcpStream,
+    d: &Descriptor,
+    expected: bool,
+    dst: &mut Vec<T>,
+) -> std::io::Result<()> {
+    let len = match usize::try_from(d.payload_len) {
+        Ok(len) if expected && len % size_of::<T>() == 0 => len,
+        _ => return discard(reader, d.payload_len),
+    };
+    dst.clear();
+    dst.resize(len / size_of::<T>(), T::zeroed());
+    read_full(reader, bytemuck::cast_slice_mut(dst))
+}
+
+/// Element offsets of `n` blocks over `count` elements: the first `count % n` get one extra.
+pub(crate) fn block_bounds(count: usize, n: usize) -> Vec<usize> {
+    let (base, extra) = (count / n, count % n);
+    let mut b = Vec::with_capacity(n + 1);
+    b.push(0);
+    for i in 0..n {
+        let last = b[i];
+        b.push(last + base + usize::from(i < extra));
+    }
+    b
+}
+
+/// Cuts each block into segments of at most `seg` elements; returns the segment bounds and, for
+/// each block, the range of its segment ids.
+pub(crate) fn segment_bounds(
+    blocks: &[usize],
+    seg: usize,
+) -> (Vec<usize>, Vec<std::ops::Range<usize>>) {
+    let mut bounds = vec![0];
+    let mut ranges = Vec::with_capacity(blocks.len().saturating_sub(1));
+    for w in blocks.windows(2) {
+        let start_id = bounds.len() - 1;
+        let mut at = w[0];
+        while at < w[1] {
+            at = (at + seg).min(w[1]);
+            bounds.push(at);
+        }
+        ranges.push(start_id..bounds.len() - 1);
+    }
+    (bounds, ranges)
+}
+
+/// The receive schedule of a ring reduce-scatter (rank `r` ends holding block `r` reduced),
+/// followed, when `allgather` is set, by the ring allgather that spreads every block.
+pub(crate) fn ring_schedule(
+    r: usize,
+    n: usize,
+    blocks: &[std::ops::Range<usize>],
+    op: ReduceOp,
+    allgather: bool,
+) -> (Vec<usize>, Vec<Recv>) {
+    let at = |k: usize| blocks[(r + n * 2 - k) % n].clone();
+    let first: Vec<usize> = at(1).collect();
+    let mut recvs = Vec::new();
+    for s in 0..n - 1 {
+        let last = s == n - 2;
+        let mode = match op {
+            ReduceOp::Average if last => Mode::ReduceDivide(n),
+            other => Mode::Reduce(other.combining()),
+        };
+        let forward = allgather || !last;
+        recvs.extend(at(s + 2).map(|seg| Recv { seg, mode, forward }));
+    }
+    if allgather {
+        for s in 0..n - 1 {
+            let forward = s < n - 2;
+            recvs.extend(at(s + 1).map(|seg| Recv {
+                seg,
+                mode: Mode::Copy,
+                forward,
+            }));
+        }
+    }
+    (first, recvs)
+}

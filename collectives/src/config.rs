@@ -1,0 +1,83 @@
+//! Settings of one communicator.
+
+use std::time::Duration;
+
+/// How a [`crate::Communicator`] connects and how long it waits.
+#[derive(Debug, Clone)]
+pub struct CommConfig {
+    /// This process's rank, `0..size`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// The job's secret: a connecting peer must present it.
+    pub token: String,
+    /// The rendezvous round this communicator belongs to; a peer from another round is refused.
+    pub generation: u64,
+    /// How long a collective waits for a peer to arrive at it (ranks may be imbalanced).
+    pub arrival_timeout: Duration,
+    /// How long a collective that every rank has entered may go without a byte from a peer
+    /// before that peer is declared hung.
+    pub progress_timeout: Duration,
+    /// How long building the mesh may take.
+    pub connect_timeout: Duration,
+    /// Pipeline segment size of the ring algorithms.
+    pub segment_bytes: usize,
+    /// Buffers up to this size take the latency-optimal path: one message to every peer.
+    pub small_bytes: usize,
+}
+
+impl CommConfig {
+    /// Defaults for everything but the identity of this rank.
+    pub fn new(rank: usize, size: usize, token: impl Into<String>) -> Self {
+        Self {
+            rank,
+            size,
+            token: token.into(),
+            generation: 0,
+            arrival_timeout: Duration::from_secs(300),
+            progress_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(30),
+            segment_bytes: 256 * 1024,
+            small_bytes: 32 * 1024,
+        }
+    }
+
+    /// Checks the settings before any socket is touched.
+    ///
+    /// # Errors
+    /// A message naming the bad setting.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.size == 0 {
+            return Err("size must be at least 1".into());
+        }
+        if self.rank >= self.size {
+            return Err(format!(
+                "rank {} is out of range for size {}",
+                self.rank, self.size
+            ));
+        }
+        if self.token.len() > u16::MAX as usize {
+            return Err("token is longer than 65535 bytes".into());
+        }
+        for (name, d) in [
+            ("arrival_timeout", self.arrival_timeout),
+            ("progress_timeout", self.progress_timeout),
+            ("connect_timeout", self.connect_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(format!("{name} must be positive"));
+            }
+        }
+        if self.segment_bytes < 4096 {
+            return Err(format!(
+                "segment_bytes {} is below 4096",
+                self.segment_bytes
+            ));
+        }
+        // The latency path writes to every peer before reading: it must fit in socket buffers.
+        if self.small_bytes > 64 * 1024 {
+            return Err(format!("small_bytes {} is above 65536", self.small_bytes));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,45 @@
+//! Collective communication for hvd: allreduce, grouped allreduce, allgather, broadcast,
+//! alltoall, reducescatter and barrier over a full mesh of TCP connections.
+//!
+//! A [`Communicator`] belongs to one membership. It is built from a listener this rank bound
+//! and the addresses of every rank; when membership changes it is dropped and a new one is
+//! connected, in the same process. Every failure is an error value: a peer that dies makes every
+//! blocked call on every rank return within a bounded time, and a call that does not match the
+//! other ranks' calls fails on all of them with a message naming both sides.
+//!
+//! # Layout
+//! - `dtype`: element types and reduction kernels;
+//! - `wire`: the descriptor that opens every collective (a pure codec);
+//! - `connect`: the authenticated mesh handshake;
+//! - `link`: sockets, abort, and the shut-everything-down path that turns a failure anywhere
+//!   into an error everywhere;
+//! - `pipeline`: the segment engine of the ring algorithms;
+//! - `comm`, `ops`: the communicator and its collectives.
+//!
+//! # Example
+//! ```
+//! use hvd_collectives::{Communicator, ReduceOp};
+//! let mut comm = Communicator::single();
+//! let mut grads = vec![1.0f32, 2.0];
+//! comm.allreduce(&mut grads, ReduceOp::Sum)?;
+//! assert_eq!(grads, [1.0, 2.0]);
+//! # Ok::<(), hvd_collectives::CommError>(())
+//! ```
+
+mod comm;
+mod config;
+mod connect;
+mod dtype;
+mod error;
+mod link;
+mod ops;
+mod pipeline;
+mod wire;
+
+pub use comm::Communicator;
+pub use config::CommConfig;
+pub use dtype::{DType, Element, ReduceOp};
+pub use error::{CommError, Result};
+pub use half::{bf16, f16};
+pub use link::AbortHandle;
+pub use wire::{Descriptor, Kind};

@@ -1,0 +1,407 @@
+//! The collectives themselves, each one an opening exchange followed by a data phase.
+//!
+//! Buffers up to `small_bytes` travel inside the opening exchange (one message to every peer:
+//! one network latency in all), and every rank reduces the contributions in rank order, so all
+//! ranks get bit-identical results. Larger buffers take the bandwidth-optimal ring
+//! (reduce-scatter then allgather, each rank sending 2(n−1)/n of the buffer), a pipelined chain
+//! (broadcast) or a pairwise exchange (allgather, alltoall).
+
+use crate::comm::{Communicator, block_bounds, ring_schedule, segment_bounds, take_payload};
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{CommError, Result};
+use crate::pipeline::{Mode, Recv, split_at_bounds};
+use crate::wire::{Descriptor, Kind};
+
+fn desc<T: Element>(kind: Kind, op: Option<ReduceOp>, seq: u64, count: usize) -> Descriptor {
+    Descriptor {
+        kind,
+        dtype: Some(T::DTYPE),
+        op,
+        root: 0,
+        seq,
+        count: count as u64,
+        row_len: 1,
+        payload_len: 0,
+        invalid: false,
+    }
+}
+
+impl Communicator {
+    /// Reduces `buf` across all ranks in place: afterwards every rank holds the same result.
+    ///
+    /// # Errors
+    /// [`CommError::Mismatch`] when ranks disagree on length, type or op (on every rank); a
+    /// transport error when a peer fails, after which the communicator must be rebuilt.
+    pub fn allreduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.reduce(Kind::Allreduce, buf, op, 1, true)
+    }
+
+    /// Allreduces several buffers of one type as a single fused operation.
+    ///
+    /// # Errors
+    /// As [`Communicator::allreduce`]; ranks must pass the same number of buffers.
+    pub fn grouped_allreduce<T: Element>(
+        &mut self,
+        bufs: &mut [&mut [T]],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut fused = Vec::with_capacity(total);
+        bufs.iter().for_each(|b| fused.extend_from_slice(b));
+        self.reduce(Kind::Allreduce, &mut fused, op, bufs.len().max(1), true)?;
+        let mut at = 0;
+        for b in bufs.iter_mut() {
+            b.copy_from_slice(&fused[at..at + b.len()]);
+            at += b.len();
+        }
+        Ok(())
+    }
+
+    /// Reduces `input` across ranks and returns this rank's block of the result. Blocks split
+    /// the buffer evenly; the first `len % size` ranks get one element more.
+    ///
+    /// # Errors
+    /// As [`Communicator::allreduce`].
+    pub fn reducescatter<T: Element>(&mut self, input: &[T], op: ReduceOp) -> Result<Vec<T>> {
+        let mut work = input.to_vec();
+        self.reduce(Kind::Reducescatter, &mut work, op, 1, false)?;
+        let b = block_bounds(work.len(), self.size());
+        let r = self.rank();
+        work.truncate(b[r + 1]);
+        work.drain(..b[r]);
+        Ok(work)
+    }
+
+    /// Allreduce (`allgather` set) or reducescatter (result left in this rank's block of `buf`).
+    fn reduce<T: Element>(
+        &mut self,
+        kind: Kind,
+        buf: &mut [T],
+        op: ReduceOp,
+        tensors: usize,
+        allgather: bool,
+    ) -> Result<()> {
+        let seq = self.begin()?;
+        let (n, r) = (self.size(), self.rank());
+        if n == 1 {
+            return Ok(()); // a sum, min, max, product or average over one rank is the identity
+        }
+        let bytes = std::mem::size_of_val(buf);
+        let mut mine = desc::<T>(kind, Some(op), seq, buf.len());
+        mine.row_len = tensors as u64;
+        if self.is_small(bytes) {
+            mine.payload_len = bytes as u64;
+            let mut inbox: Vec<Vec<T>> = vec![Vec::new(); n];
+            let payload: &[u8] = bytemuck::cast_slice(buf);
+            self.open(
+                mine,
+                Ok(()),
+                |_| (mine, payload),
+                |p, d, rd| take_payload(rd, d, d.agrees_with(&mine), &mut inbox[p]),
+            )?;
+            // Every rank combines in rank order, so all get bit-identical results.
+            let mut acc = if r == 0 {
+                buf.to_vec()
+            } else {
+                std::mem::take(&mut inbox[0])
+            };
+            for (j, contribution) in inbox.iter().enumerate().skip(1) {
+                let src: &[T] = if j == r { buf } else { contribution };
+                T::reduce_into(&mut acc, src, op.combining());
+            }
+            if op == ReduceOp::Average {
+                T::divide(&mut acc, n);
+            }
+            buf.copy_from_slice(&acc);
+            return Ok(());
+        }
+        self.open(
+            mine,
+            Ok(()),
+            |_| (mine, &[][..]),
+            |_, d, rd| crate::link::discard(rd, d.payload_len),
+        )?;
+        let blocks = block_bounds(buf.len(), n);
+        let (bounds, ranges) = segment_bounds(&blocks, self.segment_elems::<T>());
+        let (first, recvs) = ring_schedule(r, n, &ranges, op, allgather);
+        let segments = split_at_bounds(buf, &bounds);
+        self.ring(
+            kind.name(),
+            segments,
+            &first,
+            &recvs,
+            (r + n - 1) % n,
+            (r + 1) % n,
+        )
+    }
+
+    /// Copies `buf` from rank `root` to every rank.
+    ///
+    /// # Errors
+    /// [`CommError::InvalidArgument`] for a root outside the world; a mismatch when ranks
+    /// disagree on the root or the length; a transport error when a peer fails.
+    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<()> {
+        let seq = self.begin()?;
+        let (n, r) = (self.size(), self.rank());
+        let local = if root < n {
+            Ok(())
+        } else {
+            Err(format!("root {root} is not a rank of a world of {n}"))
+        };
+        if n == 1 {
+            return local.map_err(|detail| CommError::InvalidArgument {
+                op: "broadcast",
+                detail,
+            });
+        }
+        let bytes = std::mem::size_of_val(buf);
+        let mut mine = desc::<T>(Kind::Broadcast, None, seq, buf.len());
+        mine.root = u32::try_from(root).unwrap_or(u32::MAX);
+        let small = self.is_small(bytes);
+        if small && r == root {
+            mine.payload_len = bytes as u64;
+        }
+        let mut inbox: Vec<T> = Vec::new();
+        {
+            let payload: &[u8] = bytemuck::cast_slice(buf);
+            self.open(
+                mine,
+                local,
+                |_| (mine, payload),
+                |p, d, rd| {
+                    let expected = small && p == root && d.agrees_with(&mine);
+                    take_payload(rd, d, expected, &mut inbox)
+                },
+            )?;
+        }
+        if small {
+            if r != root {
+                buf.copy_from_slice(&inbox);
+            }
+            return Ok(());
+        }
+        // A pipelined chain root → root+1 → … → root−1: every link carries the buffer once.
+        let pos = (r + n - root) % n;
+        let seg = self.segment_elems::<T>();
+        let mut bounds: Vec<usize> = (0..buf.len()).step_by(seg).collect();
+        bounds.push(buf.len());
+        let ids = 0..bounds.len() - 1;
+        let (first, recvs): (Vec<usize>, Vec<Recv>) = if pos == 0 {
+            (ids.collect(), Vec::new())
+        } else {
+            let forward = pos < n - 1;
+            (
+                Vec::new(),
+                ids.map(|seg| Recv {
+                    seg,
+                    mode: Mode::Copy,
+                    forward,
+                })
+                .collect(),
+            )
+        };
+        let segments = split_at_bounds(buf, &bounds);
+        self.ring(
+            "broadcast",
+            segments,
+            &first,
+            &recvs,
+            (r + n - 1) % n,
+            (r + 1) % n,
+        )
+    }
+
+    /// Concatenates every rank's `input` in rank order. `input` is rows of `row_len` elements;
+    /// the number of rows may differ between ranks, `row_len` may not.
+    ///
+    /// # Errors
+    /// [`CommError::InvalidArgument`] when `input` is not whole rows; a mismatch when ranks
+    /// disagree on type or row length; a transport error when a peer fails.
+    pub fn allgather<T: Element>(&mut self, input: &[T], row_len: usize) -> Result<Vec<T>> {
+        let seq = self.begin()?;
+        let (n, r) = (self.size(), self.rank());
+        let local = if row_len == 0 && !input.is_empty() {
+            Err("row_len is 0 for a non-empty input".to_string())
+        } else if row_len != 0 && input.len() % row_len != 0 {
+            Err(format!(
+                "{} elements are not whole rows of {row_len}",
+                input.len()
+            ))
+        } else {
+            Ok(())
+        };
+        if n == 1 {
+            local.map_err(|detail| CommError::InvalidArgument {
+                op: "allgather",
+                detail,
+            })?;
+            return Ok(input.to_vec());
+        }
+        let bytes = std::mem::size_of_val(input);
+        let mut mine = desc::<T>(Kind::Allgather, None, seq, input.len());
+        mine.row_len = row_len as u64;
+        let inline = self.is_small(bytes);
+        if inline {
+            mine.payload_len = bytes as u64;
+        }
+        let mut inbox: Vec<Vec<T>> = vec![Vec::new(); n];
+        let payload: &[u8] = bytemuck::cast_slice(input);
+        let descs = self.open(
+            mine,
+            local,
+            |_| (mine, payload),
+            |p, d, rd| take_payload(rd, d, d.agrees_with(&mine), &mut inbox[p]),
+        )?;
+        let counts: Vec<usize> = descs.iter().map(|d| d.count as usize).collect();
+        let mut out = vec![T::zeroed(); counts.iter().sum()];
+        let mut recvs: Vec<Option<&mut [u8]>> = Vec::with_capacity(n);
+        let mut rest = out.as_mut_slice();
+        for (p, &c) in counts.iter().enumerate() {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(c);
+            rest = tail;
+            if p == r {
+                head.copy_from_slice(input);
+                recvs.push(None);
+            } else if descs[p].payload_len > 0 || c == 0 {
+                head.copy_from_slice(&inbox[p]);
+                recvs.push(None);
+            } else {
+                recvs.push(Some(bytemuck::cast_slice_mut(head)));
+            }
+        }
+        let sends: Vec<Option<&[u8]>> = (0..n)
+            .map(|p| (p != r && !inline && !input.is_empty()).then_some(payload))
+            .collect();
+        if recvs.iter().any(Option::is_some) || sends.iter().any(Option::is_some) {
+            self.pairwise("allgather", &sends, &mut recvs)?;
+        }
+        Ok(out)
+    }
+
+    /// Sends `splits[p]` consecutive elements of `input` to each rank `p` (an empty `splits`
+    /// means equal parts) and returns what every rank sent here, in rank order, with the
+    /// number of elements received from each rank.
+    ///
+    /// # Errors
+    /// [`CommError::InvalidArgument`] when the splits don't cover `input`; a mismatch on type; a
+    /// transport error when a peer fails.
+    pub fn alltoall<T: Element>(
+        &mut self,
+        input: &[T],
+        splits: &[usize],
+    ) -> Result<(Vec<T>, Vec<usize>)> {
+        let seq = self.begin()?;
+        let (n, r) = (self.size(), self.rank());
+        let (splits, local) = resolve_splits(input.len(), splits, n);
+        if n == 1 {
+            local.map_err(|detail| CommError::InvalidArgument {
+                op: "alltoall",
+                detail,
+            })?;
+            return Ok((input.to_vec(), vec![input.len()]));
+        }
+        let offsets = prefix_sums(&splits);
+        let part = |p: usize| -> &[T] { &input[offsets[p]..offsets[p + 1]] };
+        let small = |p: usize| self.is_small(std::mem::size_of_val(part(p)));
+        let inline: Vec<bool> = (0..n).map(small).collect();
+        let base = desc::<T>(Kind::Alltoall, None, seq, 0);
+        let mut inbox: Vec<Vec<T>> = vec![Vec::new(); n];
+        let descs = self.open(
+            base,
+            local,
+            |p| {
+                let bytes = bytemuck::cast_slice(part(p));
+                let d = Descriptor {
+                    count: splits[p] as u64,
+                    payload_len: if inline[p] { bytes.len() as u64 } else { 0 },
+                    ..base
+                };
+                (d, if inline[p] { bytes } else { &[][..] })
+            },
+            |p, d, rd| take_payload(rd, d, d.agrees_with(&base), &mut inbox[p]),
+        )?;
+        let mut counts: Vec<usize> = descs.iter().map(|d| d.count as usize).collect();
+        counts[r] = splits[r];
+        let mut out = vec![T::zeroed(); counts.iter().sum()];
+        let mut recvs: Vec<Option<&mut [u8]>> = Vec::with_capacity(n);
+        let mut rest = out.as_mut_slice();
+        for (p, &c) in counts.iter().enumerate() {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(c);
+            rest = tail;
+            if p == r {
+                head.copy_from_slice(part(r));
+                recvs.push(None);
+            } else if descs[p].payload_len > 0 || c == 0 {
+                head.copy_from_slice(&inbox[p]);
+                recvs.push(None);
+            } else {
+                recvs.push(Some(bytemuck::cast_slice_mut(head)));
+            }
+        }
+        let sends: Vec<Option<&[u8]>> = (0..n)
+            .map(|p| (p != r && !inline[p] && splits[p] > 0).then(|| bytemuck::cast_slice(part(p))))
+            .collect();
+        if recvs.iter().any(Option::is_some) || sends.iter().any(Option::is_some) {
+            self.pairwise("alltoall", &sends, &mut recvs)?;
+        }
+        Ok((out, counts))
+    }
+
+    /// Returns once every rank has called it.
+    ///
+    /// # Errors
+    /// A mismatch when another rank is in a different collective; a transport error.
+    pub fn barrier(&mut self) -> Result<()> {
+        let seq = self.begin()?;
+        if self.size() == 1 {
+            return Ok(());
+        }
+        let mut mine = desc::<u8>(Kind::Barrier, None, seq, 0);
+        mine.dtype = None;
+        self.open(
+            mine,
+            Ok(()),
+            |_| (mine, &[][..]),
+            |_, d, rd| crate::link::discard(rd, d.payload_len),
+        )?;
+        Ok(())
+    }
+}
+
+fn prefix_sums(parts: &[usize]) -> Vec<usize> {
+    let mut v = Vec::with_capacity(parts.len() + 1);
+    v.push(0);
+    for p in parts {
+        let last = v[v.len() - 1];
+        v.push(last + p);
+    }
+    v
+}
+
+/// The splits to use, and whether the caller's were valid (invalid ones fall back to zeros so
+/// the rank can still take part in the opening exchange and report its error everywhere).
+fn resolve_splits(
+    len: usize,
+    splits: &[usize],
+    n: usize,
+) -> (Vec<usize>, std::result::Result<(), String>) {
+    let bad = |msg: String| (vec![0; n], Err(msg));
+    if splits.is_empty() {
+        if len % n != 0 {
+            return bad(format!(
+                "{len} elements do not split evenly over {n} ranks; pass splits"
+            ));
+        }
+        return (vec![len / n; n], Ok(()));
+    }
+    if splits.len() != n {
+        return bad(format!("{} splits for a world of {n}", splits.len()));
+    }
+    let sum: usize = splits.iter().sum();
+    if sum != len {
+        return bad(format!(
+            "splits sum to {sum} but the input has {len} elements"
+        ));
+    }
+    (splits.to_vec(), Ok(()))
+}

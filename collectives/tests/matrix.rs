@@ -1,0 +1,225 @@
+//! Every collective × dtype × op against references computed here, for worlds of 1, 2, 3, 4
+//! and 7 ranks, with lengths that are empty, tiny, not divisible by the world size, on the
+//! latency path and on the ring path.
+
+mod support;
+
+use hvd_collectives::{Communicator, ReduceOp, bf16, f16};
+use support::{TestElem, world};
+
+const OPS: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Average,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Product,
+];
+/// Empty, one, not divisible by 2/3/4/7, latency path (≤ 32 KiB), ring path, several segments.
+const LENS: [usize; 6] = [0, 1, 13, 1001, 20_011, 150_001];
+
+/// Small integers, so that sums and products are exact in every type and any reduction order.
+fn value(rank: usize, i: usize, op: ReduceOp, salt: usize) -> f64 {
+    let h = (rank * 7 + i * 3 + salt * 11) % 5;
+    if op == ReduceOp::Product {
+        (h % 2 + 1) as f64
+    } else {
+        (h + 1) as f64
+    }
+}
+
+fn input<T: TestElem>(rank: usize, len: usize, op: ReduceOp, salt: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::from_f64(value(rank, i, op, salt)))
+        .collect()
+}
+
+fn reference<T: TestElem>(n: usize, len: usize, op: ReduceOp, salt: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| {
+            let vals = (0..n).map(|r| value(r, i, op, salt));
+            let v = match op {
+                ReduceOp::Sum => vals.sum(),
+                ReduceOp::Average => {
+                    let s: f64 = vals.sum();
+                    if T::from_f64(0.5).to_f64() == 0.0 {
+                        (s / n as f64).trunc()
+                    } else {
+                        s / n as f64
+                    }
+                }
+                ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+                ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+                ReduceOp::Product => vals.product(),
+            };
+            T::from_f64(v)
+        })
+        .collect()
+}
+
+fn assert_close<T: TestElem>(got: &[T], want: &[T], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let (g, w) = (g.to_f64(), w.to_f64());
+        // Exact but for an average's one division, rounded once in the element type.
+        assert!(
+            (g - w).abs() <= w.abs() * 1e-2,
+            "{what}: element {i} is {g}, expected {w}"
+        );
+    }
+}
+
+fn check_dtype<T: TestElem>(comm: &mut Communicator) {
+    let (n, r) = (comm.size(), comm.rank());
+    let name = T::DTYPE.name();
+    for (salt, &len) in LENS.iter().enumerate() {
+        for op in OPS {
+            let what = format!("{name} n={n} rank={r} len={len} {op}");
+            let mut buf = input::<T>(r, len, op, salt);
+            comm.allreduce(&mut buf, op).expect("allreduce");
+            assert_close(
+                &buf,
+                &reference::<T>(n, len, op, salt),
+                &format!("allreduce {what}"),
+            );
+
+            let full = reference::<T>(n, len, op, salt);
+            let got = comm
+                .reducescatter(&input::<T>(r, len, op, salt), op)
+                .expect("reducescatter");
+            let (base, extra) = (len / n, len % n);
+            let start = r * base + r.min(extra);
+            let mine = &full[start..start + base + usize::from(r < extra)];
+            assert_close(&got, mine, &format!("reducescatter {what}"));
+        }
+        // Grouped: three tensors of different lengths, reduced as one.
+        let mut a = input::<T>(r, len, ReduceOp::Sum, salt);
+        let mut b = input::<T>(r, len / 2 + 1, ReduceOp::Sum, salt + 1);
+        let mut c = input::<T>(r, 3, ReduceOp::Sum, salt + 2);
+        comm.grouped_allreduce(&mut [&mut a, &mut b, &mut c], ReduceOp::Sum)
+            .expect("grouped");
+        assert_close(
+            &a,
+            &reference::<T>(n, len, ReduceOp::Sum, salt),
+            "grouped a",
+        );
+        assert_close(
+            &b,
+            &reference::<T>(n, len / 2 + 1, ReduceOp::Sum, salt + 1),
+            "grouped b",
+        );
+        assert_close(
+            &c,
+            &reference::<T>(n, 3, ReduceOp::Sum, salt + 2),
+            "grouped c",
+        );
+
+        for root in 0..n {
+            let mut buf = if r == root {
+                input::<T>(root, len, ReduceOp::Sum, salt)
+            } else {
+                vec![T::from_f64(0.0); len]
+            };
+            comm.broadcast(&mut buf, root).expect("broadcast");
+            assert_close(
+                &buf,
+                &input::<T>(root, len, ReduceOp::Sum, salt),
+                &format!("broadcast root {root} {name} len {len}"),
+            );
+        }
+
+        // Allgather: rows of 3, a different number of rows on every rank.
+        let rows = |rank: usize| (len / 3 + rank * 5) % (len / 3 + 2);
+        let gathered = comm
+            .allgather(&input::<T>(r, rows(r) * 3, ReduceOp::Sum, salt), 3)
+            .expect("allgather");
+        let want: Vec<T> = (0..n)
+            .flat_map(|p| input::<T>(p, rows(p) * 3, ReduceOp::Sum, salt))
+            .collect();
+        assert_close(
+            &gathered,
+            &want,
+            &format!("allgather {name} n={n} len {len}"),
+        );
+
+        // Alltoall: rank s sends split(s, p) elements to p, values tagged by sender and receiver.
+        let split = |s: usize, p: usize| (len + s * 3 + p) % (len / 4 + 3);
+        let tag = |s: usize, p: usize, i: usize| T::from_f64(((s * 13 + p * 7 + i) % 100) as f64);
+        let splits: Vec<usize> = (0..n).map(|p| split(r, p)).collect();
+        let send: Vec<T> = (0..n)
+            .flat_map(|p| (0..split(r, p)).map(move |i| tag(r, p, i)))
+            .collect();
+        let (got, counts) = comm.alltoall(&send, &splits).expect("alltoall");
+        let want: Vec<T> = (0..n)
+            .flat_map(|s| (0..split(s, r)).map(move |i| tag(s, r, i)))
+            .collect();
+        assert_eq!(counts, (0..n).map(|s| split(s, r)).collect::<Vec<_>>());
+        assert_close(&got, &want, &format!("alltoall {name} n={n} len {len}"));
+    }
+    comm.barrier().expect("barrier");
+}
+
+fn check_all(comm: &mut Communicator) {
+    check_dtype::<u8>(comm);
+    check_dtype::<i32>(comm);
+    check_dtype::<i64>(comm);
+    check_dtype::<f16>(comm);
+    check_dtype::<bf16>(comm);
+    check_dtype::<f32>(comm);
+    check_dtype::<f64>(comm);
+}
+
+#[test]
+fn world_of_1() {
+    world(1, check_all);
+}
+
+#[test]
+fn world_of_2() {
+    world(2, check_all);
+}
+
+#[test]
+fn world_of_3() {
+    world(3, check_all);
+}
+
+#[test]
+fn world_of_4() {
+    world(4, check_all);
+}
+
+#[test]
+fn world_of_7() {
+    world(7, check_all);
+}
+
+#[test]
+fn allreduce_of_64_mib() {
+    const LEN: usize = 16 << 20; // 64 MiB of f32
+    let results = world(3, |comm| {
+        let r = comm.rank();
+        let mut buf: Vec<f32> = (0..LEN).map(|i| ((i + r) % 8) as f32).collect();
+        comm.allreduce(&mut buf, ReduceOp::Sum).expect("allreduce");
+        buf.iter()
+            .enumerate()
+            .all(|(i, &v)| v == (0..3).map(|r| ((i + r) % 8) as f32).sum::<f32>())
+    });
+    assert_eq!(results, vec![true; 3]);
+}
+
+#[test]
+fn every_rank_gets_bit_identical_floats() {
+    // Values whose sum depends on the order of addition: all ranks must still agree bit for bit.
+    for len in [7usize, 100_000] {
+        let results = world(4, |comm| {
+            let r = comm.rank();
+            let mut buf: Vec<f32> = (0..len).map(|i| 1.0 / ((i * 4 + r) as f32 + 0.1)).collect();
+            comm.allreduce(&mut buf, ReduceOp::Sum).expect("allreduce");
+            buf.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        });
+        assert!(
+            results.iter().all(|r| r == &results[0]),
+            "len {len}: ranks disagree"
+        );
+    }
+}

@@ -1,0 +1,83 @@
+//! Worlds of in-process ranks connected over loopback, one thread per rank.
+
+#![allow(dead_code)]
+
+use std::net::{SocketAddr, TcpListener};
+use std::thread;
+use std::time::Duration;
+
+use hvd_collectives::{CommConfig, Communicator, Element, bf16, f16};
+
+/// Runs `f` on every rank of a fresh world of `n` and returns the results by rank.
+pub fn world<R: Send>(n: usize, f: impl Fn(&mut Communicator) -> R + Sync) -> Vec<R> {
+    world_with(n, |_| {}, f)
+}
+
+/// As [`world`], with a hook to adjust every rank's config.
+pub fn world_with<R: Send>(
+    n: usize,
+    tweak: impl Fn(&mut CommConfig) + Sync,
+    f: impl Fn(&mut Communicator) -> R + Sync,
+) -> Vec<R> {
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect();
+    let addrs: Vec<SocketAddr> = listeners
+        .iter()
+        .map(|l| l.local_addr().expect("addr"))
+        .collect();
+    thread::scope(|s| {
+        let handles: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let (addrs, tweak, f) = (&addrs, &tweak, &f);
+                s.spawn(move || {
+                    let mut cfg = CommConfig::new(rank, n, "test-secret");
+                    cfg.connect_timeout = Duration::from_secs(20);
+                    tweak(&mut cfg);
+                    let mut comm = Communicator::connect(cfg, &l, addrs).expect("connect");
+                    f(&mut comm)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+/// Conversions the tests use to build inputs and references in f64.
+pub trait TestElem: Element + Copy {
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! prim {
+    ($($t:ty),*) => {$(
+        impl TestElem for $t {
+            fn from_f64(v: f64) -> Self { v as $t }
+            fn to_f64(self) -> f64 { self as f64 }
+        }
+    )*};
+}
+prim!(u8, i32, i64, f32, f64);
+
+impl TestElem for f16 {
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+}
+
+impl TestElem for bf16 {
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+}
