@@ -1,0 +1,222 @@
+//! Mismatched calls fail on every rank naming both sides; dead, hung and aborted peers make
+//! every other rank's call return within a bounded time; strangers are refused at connect.
+
+mod support;
+
+use std::net::TcpListener;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use hvd_collectives::{CommConfig, CommError, Communicator, ReduceOp};
+use support::{world, world_with};
+
+#[test]
+fn length_mismatch_names_both_sides_on_every_rank_and_comm_survives() {
+    for len_of_2 in [12usize, 100_000] {
+        let out = world(3, |comm| {
+            let len = if comm.rank() == 2 { len_of_2 } else { 10 };
+            let err = comm
+                .allreduce(&mut vec![1.0f32; len], ReduceOp::Sum)
+                .unwrap_err();
+            // Nothing moved: the communicator still works.
+            let mut ok = vec![1i32; 5];
+            comm.allreduce(&mut ok, ReduceOp::Sum)
+                .expect("allreduce after mismatch");
+            assert_eq!(ok, vec![3; 5]);
+            err.to_string()
+        });
+        for msg in &out {
+            assert_eq!(msg, &out[0], "every rank reports the same mismatch");
+            assert!(
+                msg.contains("rank 0 called allreduce(f32[10], sum)"),
+                "{msg}"
+            );
+            assert!(
+                msg.contains(&format!("rank 2 called allreduce(f32[{len_of_2}], sum)")),
+                "{msg}"
+            );
+        }
+    }
+}
+
+#[test]
+fn dtype_op_and_collective_mismatches_are_errors() {
+    let out = world(2, |comm| {
+        let r = comm.rank();
+        let dtype = if r == 0 {
+            comm.allreduce(&mut [1.0f32; 4], ReduceOp::Sum)
+        } else {
+            comm.allreduce(&mut [1.0f64; 4], ReduceOp::Sum)
+        }
+        .unwrap_err()
+        .to_string();
+        let op = comm
+            .allreduce(
+                &mut [1i64; 4],
+                if r == 0 { ReduceOp::Min } else { ReduceOp::Max },
+            )
+            .unwrap_err()
+            .to_string();
+        let kind = if r == 0 {
+            comm.broadcast(&mut [0u8; 4], 0).unwrap_err()
+        } else {
+            comm.allreduce(&mut [0u8; 4], ReduceOp::Sum).unwrap_err()
+        }
+        .to_string();
+        let root = comm.broadcast(&mut [0u8; 4], r).unwrap_err().to_string();
+        (dtype, op, kind, root)
+    });
+    for (dtype, op, kind, root) in out {
+        assert!(
+            dtype.contains("f32[4]") && dtype.contains("f64[4]"),
+            "{dtype}"
+        );
+        assert!(op.contains("min") && op.contains("max"), "{op}");
+        assert!(
+            kind.contains("broadcast(u8[4], root 0)") && kind.contains("allreduce(u8[4], sum)"),
+            "{kind}"
+        );
+        assert!(root.contains("root 0") && root.contains("root 1"), "{root}");
+    }
+}
+
+#[test]
+fn invalid_arguments_on_one_rank_fail_every_rank() {
+    let out = world(3, |comm| {
+        let splits = if comm.rank() == 1 {
+            vec![1, 1, 5]
+        } else {
+            vec![1, 1, 1]
+        };
+        let err = comm.alltoall(&[0i32, 1, 2], &splits).unwrap_err();
+        let ok = comm
+            .alltoall(&[7i32, 8, 9], &[])
+            .expect("alltoall after a refused call");
+        (err, ok.1)
+    });
+    for (rank, (err, counts)) in out.iter().enumerate() {
+        match (rank, err) {
+            (1, CommError::InvalidArgument { detail, .. }) => {
+                assert!(detail.contains("sum to 7"), "{detail}")
+            }
+            (
+                _,
+                CommError::RemoteInvalid {
+                    rank: 1,
+                    op: "alltoall",
+                },
+            ) if rank != 1 => {}
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(counts, &vec![1, 1, 1]);
+    }
+}
+
+/// A rank that dies mid-allreduce (its sockets close, as when the process is killed) makes every
+/// other rank's call fail fast, and every later call reports the communicator broken.
+#[test]
+fn peer_dying_mid_allreduce_fails_the_others_fast() {
+    let out = world(4, |comm| {
+        if comm.rank() == 3 {
+            let abort = comm.abort_handle();
+            let killer = thread::spawn(move || {
+                thread::sleep(Duration::from_millis(30));
+                abort.abort("simulated death");
+            });
+            // Loops until the abort lands inside a call.
+            while comm
+                .allreduce(&mut vec![1.0f32; 4 << 20], ReduceOp::Sum)
+                .is_ok()
+            {}
+            killer.join().expect("killer");
+            return None;
+        }
+        let started = Instant::now();
+        let err = loop {
+            if let Err(e) = comm.allreduce(&mut vec![1.0f32; 4 << 20], ReduceOp::Sum) {
+                break e;
+            }
+        };
+        let failed_after = started.elapsed();
+        let later = comm.allreduce(&mut [1.0f32], ReduceOp::Sum).unwrap_err();
+        Some((err, failed_after, later))
+    });
+    for (err, after, later) in out.into_iter().flatten() {
+        assert!(matches!(err, CommError::PeerLost { .. }), "{err}");
+        assert!(after < Duration::from_secs(3), "took {after:?}");
+        assert!(matches!(later, CommError::Broken { .. }), "{later}");
+    }
+}
+
+#[test]
+fn a_peer_that_never_arrives_times_out_naming_it() {
+    let out = world_with(
+        3,
+        |cfg| cfg.arrival_timeout = Duration::from_millis(300),
+        |comm| {
+            if comm.rank() == 1 {
+                thread::sleep(Duration::from_millis(1500));
+                return None;
+            }
+            let t = Instant::now();
+            let err = comm.allreduce(&mut [1u8; 3], ReduceOp::Sum).unwrap_err();
+            Some((err, t.elapsed()))
+        },
+    );
+    let mut named = false;
+    for (err, took) in out.into_iter().flatten() {
+        assert!(took < Duration::from_secs(2), "took {took:?}");
+        // The first rank to time out names rank 1; the other may see that rank's closed sockets.
+        named |= matches!(err, CommError::Timeout { rank: 1, .. });
+        assert!(
+            matches!(err, CommError::Timeout { .. } | CommError::PeerLost { .. }),
+            "{err}"
+        );
+    }
+    assert!(named);
+}
+
+#[test]
+fn abort_from_another_thread_unblocks_a_waiting_call() {
+    let out = world(2, |comm| {
+        if comm.rank() == 1 {
+            thread::sleep(Duration::from_millis(800));
+            return None;
+        }
+        let abort = comm.abort_handle();
+        thread::spawn(move || {
+            thread::sleep(Duration::from_millis(100));
+            abort.abort("membership changed");
+        });
+        let t = Instant::now();
+        let err = comm.barrier().unwrap_err();
+        Some((err, t.elapsed()))
+    });
+    let (err, took) = out.into_iter().flatten().next().expect("rank 0 result");
+    assert!(
+        err.to_string().contains("aborted: membership changed"),
+        "{err}"
+    );
+    assert!(took < Duration::from_millis(700), "took {took:?}");
+}
+
+#[test]
+fn a_peer_with_the_wrong_token_is_refused() {
+    let l0 = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let l1 = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addrs = [
+        l0.local_addr().expect("addr"),
+        l1.local_addr().expect("addr"),
+    ];
+    let acceptor = thread::spawn(move || {
+        let mut cfg = CommConfig::new(0, 2, "right");
+        cfg.connect_timeout = Duration::from_millis(700);
+        Communicator::connect(cfg, &l0, &addrs)
+    });
+    let mut cfg = CommConfig::new(1, 2, "wrong");
+    cfg.connect_timeout = Duration::from_secs(5);
+    let err = Communicator::connect(cfg, &l1, &addrs).unwrap_err();
+    assert!(err.to_string().contains("wrong job token"), "{err}");
+    let err0 = acceptor.join().expect("join").unwrap_err();
+    assert!(err0.to_string().contains("did not connect"), "{err0}");
+}
