@@ -1,0 +1,30 @@
+//! Names of the environment variables a launcher sets for each worker.
+
+/// The worker's global rank (Horovod's name).
+pub const ENV_RANK: &str = "HOROVOD_RANK";
+/// Number of workers (Horovod's name).
+pub const ENV_SIZE: &str = "HOROVOD_SIZE";
+/// Rank among the workers of the same host.
+pub const ENV_LOCAL_RANK: &str = "HOROVOD_LOCAL_RANK";
+/// Number of workers on this host.
+pub const ENV_LOCAL_SIZE: &str = "HOROVOD_LOCAL_SIZE";
+/// Rank among the workers with the same local rank, one per host.
+pub const ENV_CROSS_RANK: &str = "HOROVOD_CROSS_RANK";
+/// Number of hosts with a worker of this local rank.
+pub const ENV_CROSS_SIZE: &str = "HOROVOD_CROSS_SIZE";
+/// The host name the launcher placed this worker on.
+pub const ENV_HOSTNAME: &str = "HOROVOD_HOSTNAME";
+/// `host:port` of the driver's rendezvous listener.
+pub const ENV_RENDEZVOUS_ADDR: &str = "HVD_RENDEZVOUS_ADDR";
+/// The job's secret, presented on every request.
+pub const ENV_SECRET: &str = "HVD_SECRET";
+/// The address this worker binds its collective listener to (`127.0.0.3` for a local "host").
+pub const ENV_BIND_ADDR: &str = "HVD_BIND_ADDR";
+/// A network interface whose IPv4 address the worker binds to (`--network-interface`).
+pub const ENV_NETWORK_INTERFACE: &str = "HVD_NETWORK_INTERFACE";
+/// Seconds a collective may wait for a peer that every rank is waiting on (no progress).
+pub const ENV_COLLECTIVE_TIMEOUT: &str = "HVD_COLLECTIVE_TIMEOUT";
+/// Seconds a collective waits for the other ranks to arrive at it.
+pub const ENV_ARRIVAL_TIMEOUT: &str = "HVD_ARRIVAL_TIMEOUT";
+/// Seconds a worker waits for the rendezvous (the driver's `--start-timeout`).
+pub const ENV_START_TIMEOUT: &str = "HOROVOD_START_TIMEOUT";
