@@ -1,1 +1,196 @@
-fn main() {}
+//! Collective benchmark in the manner of nccl-tests' `all_reduce_perf`: sizes doubling from
+//! `--min-bytes` to `--max-bytes`; per size, warm-up iterations, then `--iters` timed ones. Each
+//! timed iteration starts after a barrier; every rank times its own call, and the iteration's
+//! time is the slowest rank's. Rank 0 prints the median, algbw (bytes / time) and busbw
+//! (algbw · 2(n−1)/n for allreduce, (n−1)/n for allgather, 1 for broadcast), as a table or one
+//! JSON object per size. Every iteration's result is checked; a wrong one fails the run.
+//!
+//! ```text
+//! horovodrun -np 2 -H localhost:2 target/release/examples/allreduce_bench --max-bytes 67108864
+//! ```
+//! `examples/gloo_bench.py` measures PyTorch's Gloo backend the same way.
+
+use std::time::Instant;
+
+use anyhow::{Context, bail, ensure};
+use clap::{Parser, ValueEnum};
+use hvd::{Element, ReduceOp, bf16, f16};
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum Op {
+    Allreduce,
+    Broadcast,
+    Allgather,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Dtype {
+    U8,
+    I32,
+    I64,
+    F16,
+    Bf16,
+    F32,
+    F64,
+}
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long, value_enum, default_value = "allreduce")]
+    op: Op,
+    #[arg(long, default_value_t = 4)]
+    min_bytes: usize,
+    #[arg(long, default_value_t = 256 << 20)]
+    max_bytes: usize,
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: Dtype,
+    /// One JSON object per size instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Element conversions the benchmark needs to fill and check buffers.
+trait BenchElem: Element {
+    fn of(v: f64) -> Self;
+}
+macro_rules! bench_elem {
+    ($($t:ty => $e:expr),*) => {$(impl BenchElem for $t { fn of(v: f64) -> Self { $e(v) } })*};
+}
+bench_elem!(u8 => |v| v as u8, i32 => |v| v as i32, i64 => |v| v as i64, f32 => |v| v as f32,
+            f64 => |v| v, f16 => f16::from_f64, bf16 => bf16::from_f64);
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    ensure!(
+        args.min_bytes > 0 && args.min_bytes <= args.max_bytes,
+        "need 0 < --min-bytes <= --max-bytes"
+    );
+    ensure!(args.iters > 0, "--iters must be at least 1");
+    hvd::init().context("hvd::init")?;
+    match args.dtype {
+        Dtype::U8 => sweep::<u8>(&args),
+        Dtype::I32 => sweep::<i32>(&args),
+        Dtype::I64 => sweep::<i64>(&args),
+        Dtype::F16 => sweep::<f16>(&args),
+        Dtype::Bf16 => sweep::<bf16>(&args),
+        Dtype::F32 => sweep::<f32>(&args),
+        Dtype::F64 => sweep::<f64>(&args),
+    }?;
+    hvd::shutdown()?;
+    Ok(())
+}
+
+fn sweep<T: BenchElem>(args: &Args) -> anyhow::Result<()> {
+    let (rank, n) = (hvd::rank()?, hvd::size()?);
+    let esize = size_of::<T>();
+    let factor = match args.op {
+        Op::Allreduce => 2.0 * (n as f64 - 1.0) / n as f64,
+        Op::Allgather => (n as f64 - 1.0) / n as f64,
+        Op::Broadcast => 1.0,
+    };
+    let name = match args.op {
+        Op::Allreduce => "allreduce",
+        Op::Broadcast => "broadcast",
+        Op::Allgather => "allgather",
+    };
+    if rank == 0 && !args.json {
+        println!(
+            "# hvd {name}, {n} ranks, {}, median of {} iterations after {} warm-up",
+            T::DTYPE,
+            args.iters,
+            args.warmup
+        );
+        println!(
+            "{:>12} {:>12} {:>12} {:>10} {:>10}",
+            "size(B)", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)"
+        );
+    }
+    let mut bytes = args.min_bytes;
+    while bytes <= args.max_bytes {
+        // Allgather moves `count` elements in all: each rank contributes count / n.
+        let count = match args.op {
+            Op::Allgather => (bytes / esize / n).max(1) * n,
+            _ => (bytes / esize).max(1),
+        };
+        let size = count * esize;
+        let mut times = Vec::with_capacity(args.iters);
+        let mut buf: Vec<T> = Vec::new();
+        for it in 0..args.warmup + args.iters {
+            hvd::barrier()?;
+            let t0;
+            match args.op {
+                Op::Allreduce => {
+                    buf.clear();
+                    buf.resize(count, T::of(rank as f64 + 1.0));
+                    t0 = Instant::now();
+                    hvd::allreduce(&mut buf, ReduceOp::Sum)?;
+                }
+                Op::Broadcast => {
+                    buf.clear();
+                    buf.resize(count, T::of(if rank == 0 { 7.0 } else { 0.0 }));
+                    t0 = Instant::now();
+                    hvd::broadcast(&mut buf, 0)?;
+                }
+                Op::Allgather => {
+                    let mine = vec![T::of(rank as f64 + 1.0); count / n];
+                    t0 = Instant::now();
+                    buf = hvd::allgather(&mine, 1)?;
+                }
+            }
+            let dt = t0.elapsed().as_secs_f64();
+            if it >= args.warmup {
+                times.push(dt);
+            }
+            check(args.op, &buf, count, n)?;
+        }
+        // The slowest rank's time per iteration.
+        hvd::allreduce(&mut times, ReduceOp::Max)?;
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let algbw = size as f64 / median / 1e9;
+        if rank == 0 {
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"op": name, "impl": "hvd", "np": n, "dtype": T::DTYPE.name(), "size": size,
+                        "count": count, "time_us": median * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * factor})
+                );
+            } else {
+                println!(
+                    "{size:>12} {count:>12} {:>12.1} {algbw:>10.3} {:>10.3}",
+                    median * 1e6,
+                    algbw * factor
+                );
+            }
+        }
+        bytes *= 2;
+    }
+    Ok(())
+}
+
+fn check<T: BenchElem>(op: Op, buf: &[T], count: usize, n: usize) -> anyhow::Result<()> {
+    if buf.len() != count {
+        bail!("result has {} elements, expected {count}", buf.len());
+    }
+    let bad = match op {
+        Op::Allreduce => {
+            let want = T::of((n * (n + 1) / 2) as f64);
+            buf.iter().position(|v| *v != want)
+        }
+        Op::Broadcast => buf.iter().position(|v| *v != T::of(7.0)),
+        Op::Allgather => {
+            let per = count / n;
+            buf.iter()
+                .enumerate()
+                .position(|(i, v)| *v != T::of((i / per) as f64 + 1.0))
+        }
+    };
+    if let Some(i) = bad {
+        bail!("wrong result at element {i}: {:?}", buf[i]);
+    }
+    Ok(())
+}

@@ -1,1 +1,83 @@
-fn main() {}
+//! A small worker for checking a launch: prints its place in the job, runs a checked
+//! allreduce, and can be told to fail, hang or loop, so launcher tests can exercise every exit
+//! path with a real `hvd` program.
+//!
+//! ```text
+//! horovodrun -np 4 -H 127.0.0.2:2,127.0.0.3:2 target/debug/examples/hvd_probe
+//! ```
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use hvd::ReduceOp;
+
+#[derive(Parser)]
+struct Args {
+    /// Exit with this code after the allreduce (on `--on-rank` only, or on every rank).
+    #[arg(long)]
+    exit_code: Option<i32>,
+    /// The rank that exits with `--exit-code` or sleeps with `--hang`.
+    #[arg(long)]
+    on_rank: Option<usize>,
+    /// Sleep forever instead of finishing.
+    #[arg(long)]
+    hang: bool,
+    /// Keep allreducing 1 MiB buffers until a collective fails; exit 3 with the error.
+    #[arg(long)]
+    allreduce_loop: bool,
+    /// Sleep this long before init.
+    #[arg(long, default_value_t = 0)]
+    delay_ms: u64,
+    /// Lines to print on stdout and on stderr.
+    #[arg(long, default_value_t = 1)]
+    lines: usize,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    std::thread::sleep(Duration::from_millis(args.delay_ms));
+    hvd::init().context("hvd::init")?;
+    let t = hvd::topology()?;
+    let me = |on: Option<usize>| on.is_none_or(|r| r == t.rank);
+    println!(
+        "{}",
+        serde_json::json!({
+            "event": "topology", "rank": t.rank, "size": t.size, "local_rank": t.local_rank,
+            "local_size": t.local_size, "cross_rank": t.cross_rank, "cross_size": t.cross_size,
+            "homogeneous": t.homogeneous, "pid": std::process::id(),
+            "hostname": std::env::var("HOROVOD_HOSTNAME").unwrap_or_default(),
+        })
+    );
+    for i in 0..args.lines {
+        println!("out line {i} from rank {}", t.rank);
+        eprintln!("err line {i} from rank {}", t.rank);
+    }
+    let mut v = vec![t.rank as i64 + 1; 1000];
+    hvd::allreduce(&mut v, ReduceOp::Sum)?;
+    let want = (t.size * (t.size + 1) / 2) as i64;
+    if v.iter().any(|&x| x != want) {
+        bail!("allreduce gave {} where {want} was expected", v[0]);
+    }
+    if args.allreduce_loop {
+        let mut buf = vec![1.0f32; 1 << 18];
+        loop {
+            if let Err(e) = hvd::allreduce(&mut buf, ReduceOp::Average) {
+                eprintln!("collective failed: {e}");
+                std::process::exit(3);
+            }
+        }
+    }
+    if args.hang && me(args.on_rank) {
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+    if let Some(code) = args.exit_code {
+        if me(args.on_rank) {
+            std::process::exit(code);
+        }
+    }
+    hvd::shutdown()?;
+    Ok(())
+}

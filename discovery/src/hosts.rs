@@ -52,8 +52,12 @@ fn check_host(h: &str) -> Result<(), String> {
     if h.is_empty() {
         return Err("empty host name".into());
     }
-    if h.chars().any(|c| c.is_whitespace() || c == ',' || c == '\'' || c == '"' || c == ';') {
-        return Err(format!("host '{h}' contains a character a host name can't have"));
+    if h.chars()
+        .any(|c| c.is_whitespace() || c == ',' || c == '\'' || c == '"' || c == ';')
+    {
+        return Err(format!(
+            "host '{h}' contains a character a host name can't have"
+        ));
     }
     Ok(())
 }
@@ -77,13 +81,19 @@ fn no_duplicates(hosts: Vec<HostSpec>) -> Result<Vec<HostSpec>, HostParseError> 
 pub fn parse_host_list(list: &str) -> Result<Vec<HostSpec>, HostParseError> {
     let mut out = Vec::new();
     for entry in list.split(',').map(str::trim) {
-        let bad = |reason: String| HostParseError::Entry { entry: entry.into(), reason };
+        let bad = |reason: String| HostParseError::Entry {
+            entry: entry.into(),
+            reason,
+        };
         let (host, slots) = match entry.split_once(':') {
             Some((h, s)) => (h, parse_slots(s).map_err(bad)?),
             None => (entry, 1),
         };
         check_host(host).map_err(bad)?;
-        out.push(HostSpec { host: host.into(), slots });
+        out.push(HostSpec {
+            host: host.into(),
+            slots,
+        });
     }
     no_duplicates(out)
 }
@@ -120,7 +130,10 @@ pub fn parse_hostfile(file: &str, text: &str) -> Result<Vec<HostSpec>, HostParse
             }
         }
         check_host(host).map_err(bad)?;
-        out.push(HostSpec { host: host.into(), slots: slots.unwrap_or(1) });
+        out.push(HostSpec {
+            host: host.into(),
+            slots: slots.unwrap_or(1),
+        });
     }
     no_duplicates(out)
 }
@@ -130,7 +143,10 @@ mod tests {
     use super::*;
 
     fn spec(h: &str, s: usize) -> HostSpec {
-        HostSpec { host: h.into(), slots: s }
+        HostSpec {
+            host: h.into(),
+            slots: s,
+        }
     }
 
     #[test]
@@ -149,7 +165,10 @@ mod tests {
             let e = parse_host_list(bad).unwrap_err().to_string();
             assert!(e.contains(needle), "{bad}: {e}");
         }
-        assert_eq!(parse_host_list("a,a:2").unwrap_err(), HostParseError::Duplicate("a".into()));
+        assert_eq!(
+            parse_host_list("a,a:2").unwrap_err(),
+            HostParseError::Duplicate("a".into())
+        );
     }
 
     #[test]
@@ -159,12 +178,22 @@ mod tests {
             parse_hostfile("hf", text).unwrap(),
             vec![spec("node1", 4), spec("node2", 2), spec("node3", 1)]
         );
-        let e = parse_hostfile("hf", "a slots=2\nb slots=two\n").unwrap_err().to_string();
-        assert_eq!(e, "hf:2: bad hostfile line 'b slots=two': slots 'two' is not a positive integer");
+        let e = parse_hostfile("hf", "a slots=2\nb slots=two\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "hf:2: bad hostfile line 'b slots=two': slots 'two' is not a positive integer"
+        );
         let e = parse_hostfile("hf", "a gpus=2").unwrap_err().to_string();
         assert!(e.contains("unexpected 'gpus=2'"), "{e}");
-        let e = parse_hostfile("hf", "a slots=1 slots=2").unwrap_err().to_string();
+        let e = parse_hostfile("hf", "a slots=1 slots=2")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("slots given twice"), "{e}");
-        assert_eq!(parse_hostfile("hf", "# nothing\n").unwrap_err(), HostParseError::Empty);
+        assert_eq!(
+            parse_hostfile("hf", "# nothing\n").unwrap_err(),
+            HostParseError::Empty
+        );
     }
 }

@@ -57,8 +57,15 @@ pub fn assign_static(hosts: &[HostSlots], np: usize) -> Result<Vec<SlotInfo>, As
     }
     let available: usize = hosts.iter().map(|h| h.slots).sum();
     if np > available {
-        let hosts = hosts.iter().map(|h| format!("{}:{}", h.host, h.slots)).collect::<Vec<_>>();
-        return Err(AssignError::NotEnoughSlots { np, available, hosts: hosts.join(",") });
+        let hosts = hosts
+            .iter()
+            .map(|h| format!("{}:{}", h.host, h.slots))
+            .collect::<Vec<_>>();
+        return Err(AssignError::NotEnoughSlots {
+            np,
+            available,
+            hosts: hosts.join(","),
+        });
     }
     let mut used = Vec::new(); // (host, workers placed there)
     let mut left = np;
@@ -72,7 +79,10 @@ pub fn assign_static(hosts: &[HostSlots], np: usize) -> Result<Vec<SlotInfo>, As
     let mut out = Vec::with_capacity(np);
     for (host_index, (host, local_size)) in used.iter().enumerate() {
         for local_rank in 0..*local_size {
-            let cross_rank = used[..host_index].iter().filter(|(_, k)| *k > local_rank).count();
+            let cross_rank = used[..host_index]
+                .iter()
+                .filter(|(_, k)| *k > local_rank)
+                .count();
             let cross_size = used.iter().filter(|(_, k)| *k > local_rank).count();
             out.push(SlotInfo {
                 host: host.clone(),
@@ -93,7 +103,12 @@ mod tests {
     use super::*;
 
     fn hosts(spec: &[(&str, usize)]) -> Vec<HostSlots> {
-        spec.iter().map(|(h, s)| HostSlots { host: (*h).into(), slots: *s }).collect()
+        spec.iter()
+            .map(|(h, s)| HostSlots {
+                host: (*h).into(),
+                slots: *s,
+            })
+            .collect()
     }
 
     #[test]
@@ -101,7 +116,16 @@ mod tests {
         let a = assign_static(&hosts(&[("a", 2), ("b", 3), ("c", 4)]), 6).unwrap();
         let summary: Vec<_> = a
             .iter()
-            .map(|s| (s.host.as_str(), s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size))
+            .map(|s| {
+                (
+                    s.host.as_str(),
+                    s.rank,
+                    s.local_rank,
+                    s.local_size,
+                    s.cross_rank,
+                    s.cross_size,
+                )
+            })
             .collect();
         assert_eq!(
             summary,
@@ -119,7 +143,13 @@ mod tests {
     #[test]
     fn too_many_processes_is_a_clear_error() {
         let e = assign_static(&hosts(&[("a", 2), ("b", 1)]), 4).unwrap_err();
-        assert_eq!(e.to_string(), "-np 4 is larger than the 3 slots available on a:2,b:1");
-        assert_eq!(assign_static(&hosts(&[("a", 1)]), 0).unwrap_err(), AssignError::Empty);
+        assert_eq!(
+            e.to_string(),
+            "-np 4 is larger than the 3 slots available on a:2,b:1"
+        );
+        assert_eq!(
+            assign_static(&hosts(&[("a", 1)]), 0).unwrap_err(),
+            AssignError::Empty
+        );
     }
 }

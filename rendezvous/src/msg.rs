@@ -93,8 +93,15 @@ mod tests {
         let line = encode_line(&m).unwrap();
         assert!(line.ends_with(b"\n"));
         assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), m);
-        let w = DriverMsg::World { generation: 1, peers: vec!["a:1".into()], hosts: vec!["a".into()] };
-        assert_eq!(decode_line::<DriverMsg>(&encode_line(&w).unwrap()).unwrap(), w);
+        let w = DriverMsg::World {
+            generation: 1,
+            peers: vec!["a:1".into()],
+            hosts: vec!["a".into()],
+        };
+        assert_eq!(
+            decode_line::<DriverMsg>(&encode_line(&w).unwrap()).unwrap(),
+            w
+        );
     }
 
     #[test]
@@ -103,6 +110,9 @@ mod tests {
         assert!(decode_line::<WorkerMsg>(br#"{"type":"exec","cmd":"rm"}"#).is_err());
         assert!(decode_line::<WorkerMsg>(b"not json").is_err());
         let huge = vec![b' '; MAX_LINE + 1];
-        assert!(matches!(decode_line::<WorkerMsg>(&huge), Err(ProtocolError::TooLong(_))));
+        assert!(matches!(
+            decode_line::<WorkerMsg>(&huge),
+            Err(ProtocolError::TooLong(_))
+        ));
     }
 }

@@ -1,0 +1,228 @@
+//! What the launcher told this worker, read from the environment once, at `init`.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use hvd_rendezvous as rv;
+
+use crate::error::{Error, Result};
+
+/// Where `init` reads the launcher's variables: the process environment, or a map in tests.
+pub trait Env {
+    /// The value of `name`, if set.
+    fn var(&self, name: &str) -> Option<String>;
+}
+
+/// The real process environment.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn var(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
+}
+
+impl Env for HashMap<String, String> {
+    fn var(&self, name: &str) -> Option<String> {
+        self.get(name).cloned()
+    }
+}
+
+/// The launch parameters of one worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Launch {
+    /// Global rank.
+    pub rank: usize,
+    /// Number of workers.
+    pub size: usize,
+    /// Rank on this host.
+    pub local_rank: usize,
+    /// Workers on this host.
+    pub local_size: usize,
+    /// Rank among the hosts' workers of the same local rank.
+    pub cross_rank: usize,
+    /// Hosts with a worker of this local rank.
+    pub cross_size: usize,
+    /// This worker's host, as the launcher named it.
+    pub hostname: String,
+    /// The driver's rendezvous address.
+    pub rendezvous: String,
+    /// The job secret.
+    pub secret: String,
+    /// Address to bind the collective listener to, if the launcher chose one.
+    pub bind_addr: Option<String>,
+    /// Network interface to bind to, if the user chose one.
+    pub interface: Option<String>,
+    /// How long a collective may go without progress from a peer.
+    pub progress_timeout: Duration,
+    /// How long a collective waits for peers to arrive.
+    pub arrival_timeout: Duration,
+    /// How long the rendezvous may take.
+    pub start_timeout: Duration,
+}
+
+fn required(env: &dyn Env, var: &'static str) -> Result<String> {
+    env.var(var).ok_or(Error::Env {
+        var,
+        detail: "not set (is this worker started by horovodrun?)".into(),
+    })
+}
+
+fn number(env: &dyn Env, var: &'static str) -> Result<usize> {
+    let v = required(env, var)?;
+    v.trim().parse().map_err(|_| Error::Env {
+        var,
+        detail: format!("'{v}' is not a non-negative integer"),
+    })
+}
+
+fn seconds(env: &dyn Env, var: &'static str, default: f64) -> Result<Duration> {
+    let Some(v) = env.var(var) else {
+        return Ok(Duration::from_secs_f64(default));
+    };
+    match v.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
+        _ => Err(Error::Env {
+            var,
+            detail: format!("'{v}' is not a positive number of seconds"),
+        }),
+    }
+}
+
+impl Launch {
+    /// Reads the launch parameters; `Ok(None)` when no launcher started this process (then
+    /// hvd runs as a world of one, as Horovod does without `horovodrun`).
+    ///
+    /// # Errors
+    /// [`Error::Env`] naming a variable that is missing or malformed, including `HOROVOD_RANK`
+    /// without the rendezvous address (a launcher other than hvd's `horovodrun`).
+    pub fn from_env(env: &dyn Env) -> Result<Option<Self>> {
+        let Some(rendezvous) = env.var(rv::ENV_RENDEZVOUS_ADDR) else {
+            if env.var(rv::ENV_RANK).is_some() {
+                return Err(Error::Env {
+                    var: rv::ENV_RENDEZVOUS_ADDR,
+                    detail: format!(
+                        "not set, but {} is: this process was started by a launcher other than \
+                         hvd's horovodrun",
+                        rv::ENV_RANK
+                    ),
+                });
+            }
+            return Ok(None);
+        };
+        let l = Self {
+            rank: number(env, rv::ENV_RANK)?,
+            size: number(env, rv::ENV_SIZE)?,
+            local_rank: number(env, rv::ENV_LOCAL_RANK)?,
+            local_size: number(env, rv::ENV_LOCAL_SIZE)?,
+            cross_rank: number(env, rv::ENV_CROSS_RANK)?,
+            cross_size: number(env, rv::ENV_CROSS_SIZE)?,
+            hostname: required(env, rv::ENV_HOSTNAME)?,
+            rendezvous,
+            secret: required(env, rv::ENV_SECRET)?,
+            bind_addr: env.var(rv::ENV_BIND_ADDR).filter(|s| !s.is_empty()),
+            interface: env.var(rv::ENV_NETWORK_INTERFACE).filter(|s| !s.is_empty()),
+            progress_timeout: seconds(env, rv::ENV_COLLECTIVE_TIMEOUT, 5.0)?,
+            arrival_timeout: seconds(env, rv::ENV_ARRIVAL_TIMEOUT, 300.0)?,
+            start_timeout: seconds(env, rv::ENV_START_TIMEOUT, 30.0)?,
+        };
+        let check = |ok: bool, var: &'static str, what: String| {
+            if ok {
+                Ok(())
+            } else {
+                Err(Error::Env { var, detail: what })
+            }
+        };
+        check(l.size > 0, rv::ENV_SIZE, "must be at least 1".into())?;
+        check(
+            l.rank < l.size,
+            rv::ENV_RANK,
+            format!("{} is not below size {}", l.rank, l.size),
+        )?;
+        check(
+            l.local_rank < l.local_size,
+            rv::ENV_LOCAL_RANK,
+            format!("{} is not below local size {}", l.local_rank, l.local_size),
+        )?;
+        check(
+            l.cross_rank < l.cross_size,
+            rv::ENV_CROSS_RANK,
+            format!("{} is not below cross size {}", l.cross_rank, l.cross_size),
+        )?;
+        Ok(Some(l))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+            .collect()
+    }
+
+    fn full() -> HashMap<String, String> {
+        env(&[
+            (rv::ENV_RENDEZVOUS_ADDR, "127.0.0.1:9"),
+            (rv::ENV_RANK, "1"),
+            (rv::ENV_SIZE, "4"),
+            (rv::ENV_LOCAL_RANK, "1"),
+            (rv::ENV_LOCAL_SIZE, "2"),
+            (rv::ENV_CROSS_RANK, "0"),
+            (rv::ENV_CROSS_SIZE, "2"),
+            (rv::ENV_HOSTNAME, "127.0.0.2"),
+            (rv::ENV_SECRET, "s"),
+            (rv::ENV_BIND_ADDR, "127.0.0.2"),
+        ])
+    }
+
+    #[test]
+    fn no_launcher_means_a_world_of_one() {
+        assert_eq!(Launch::from_env(&env(&[])).unwrap(), None);
+    }
+
+    #[test]
+    fn a_foreign_launcher_is_named() {
+        let e = Launch::from_env(&env(&[(rv::ENV_RANK, "0")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("HVD_RENDEZVOUS_ADDR") && e.contains("launcher other than"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn reads_and_checks_every_variable() {
+        let l = Launch::from_env(&full()).unwrap().unwrap();
+        assert_eq!((l.rank, l.size, l.local_rank, l.cross_size), (1, 4, 1, 2));
+        assert_eq!(l.progress_timeout, Duration::from_secs(5));
+        let mut bad = full();
+        bad.insert(rv::ENV_RANK.into(), "4".into());
+        let e = Launch::from_env(&bad).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "environment variable HOROVOD_RANK: 4 is not below size 4"
+        );
+        let mut bad = full();
+        bad.insert(rv::ENV_COLLECTIVE_TIMEOUT.into(), "-1".into());
+        assert!(
+            Launch::from_env(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("HVD_COLLECTIVE_TIMEOUT")
+        );
+        let mut bad = full();
+        bad.remove(rv::ENV_SECRET);
+        assert!(
+            Launch::from_env(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("HVD_SECRET: not set")
+        );
+    }
+}
