@@ -64,6 +64,8 @@ fn main() -> anyhow::Result<()> {
         loop {
             if let Err(e) = hvd::allreduce(&mut buf, ReduceOp::Average) {
                 eprintln!("collective failed: {e}");
+                // Leave the launcher time to see the original failure first.
+                std::thread::sleep(Duration::from_millis(500));
                 std::process::exit(3);
             }
         }

@@ -37,7 +37,7 @@ impl CommConfig {
             arrival_timeout: Duration::from_secs(300),
             progress_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(30),
-            segment_bytes: 256 * 1024,
+            segment_bytes: 1024 * 1024,
             small_bytes: 32 * 1024,
         }
     }

@@ -34,7 +34,7 @@ pub(crate) struct Recv {
 }
 
 /// Elements of a reduce scratch piece: small enough to stay in L2 while it is reduced.
-const PIECE_BYTES: usize = 64 * 1024;
+const PIECE_BYTES: usize = 256 * 1024;
 
 /// Cuts `buf` into `bounds.len() - 1` segments at the given element offsets.
 pub(crate) fn split_at_bounds<'a, T>(mut buf: &'a mut [T], bounds: &[usize]) -> Vec<&'a mut [T]> {

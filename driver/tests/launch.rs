@@ -1,0 +1,292 @@
+//! `horovodrun` end to end with real worker processes on 127.0.0.x "hosts": exit codes,
+//! output prefixes, hostfiles, failures that stop the job, and no process left behind.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+fn horovodrun() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+}
+
+/// The probe worker, built with the workspace's examples (`cargo test --workspace`).
+fn probe() -> String {
+    let exe = std::env::current_exe().expect("test exe");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let p: PathBuf = dir.join("examples").join("hvd_probe");
+    assert!(p.exists(), "{} is missing: run the tests with `cargo test --workspace`, which builds the examples", p.display());
+    p.display().to_string()
+}
+
+fn run(args: &[&str]) -> Output {
+    horovodrun().args(args).output().expect("run horovodrun")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn alive(pid: i32) -> bool {
+    // Signal 0 checks existence; a zombie not yet reaped by its parent counts as gone.
+    if kill(Pid::from_raw(pid), None).is_err() {
+        return false;
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.split_whitespace().nth(2).is_some_and(|st| st == "Z"))
+        .unwrap_or(false)
+}
+
+fn pids_in(stdout: &str) -> Vec<i32> {
+    stdout
+        .lines()
+        .filter_map(|l| l.split_once(":{").map(|(_, j)| format!("{{{j}")))
+        .filter_map(|j| serde_json::from_str::<serde_json::Value>(&j).ok())
+        .filter(|v| v["event"] == "topology")
+        .filter_map(|v| v["pid"].as_i64())
+        .map(|p| p as i32)
+        .collect()
+}
+
+/// Starts horovodrun and collects its stdout lines through a channel while it runs.
+struct Running {
+    child: std::process::Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Running {
+    fn start(args: &[&str]) -> Self {
+        let mut child = horovodrun().args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, lines) = mpsc::channel();
+        thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { child, lines, seen: Vec::new() }
+    }
+
+    /// Waits until `n` workers have printed their topology; returns their pids by rank.
+    fn wait_for_workers(&mut self, n: usize) -> Vec<i32> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let pids = pids_in(&self.seen.join("\n"));
+            if pids.len() >= n {
+                let mut by_rank = vec![0; n];
+                for l in &self.seen {
+                    if let Some((_, j)) = l.split_once(":{") {
+                        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&format!("{{{j}")) {
+                            by_rank[v["rank"].as_u64().expect("rank") as usize] = v["pid"].as_i64().expect("pid") as i32;
+                        }
+                    }
+                }
+                return by_rank;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "workers did not start: {:?}", self.seen);
+            if let Ok(l) = self.lines.recv_timeout(left) {
+                self.seen.push(l);
+            }
+        }
+    }
+
+    fn finish(mut self) -> (Option<i32>, String, Duration) {
+        let t = Instant::now();
+        let deadline = t + Duration::from_secs(30);
+        let status = loop {
+            if let Some(st) = self.child.try_wait().expect("wait") {
+                break st;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("horovodrun did not exit");
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            std::io::Read::read_to_string(&mut e, &mut err).expect("stderr");
+        }
+        (status.code(), err, t.elapsed())
+    }
+}
+
+fn assert_all_gone(pids: &[i32]) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+    }
+    let left: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    for &p in &left {
+        let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
+    }
+    assert!(left.is_empty(), "workers survived the launcher: {left:?}");
+}
+
+#[test]
+fn four_workers_on_two_hosts_succeed_with_prefixed_output() {
+    let p = probe();
+    let out = run(&["-np", "4", "-H", "127.0.0.2:2,127.0.0.3:2", &p, "--lines", "2"]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    for r in 0..4 {
+        for i in 0..2 {
+            assert!(stdout.contains(&format!("[{r}]<stdout>:out line {i} from rank {r}\n")), "{stdout}");
+            assert!(stderr.contains(&format!("[{r}]<stderr>:err line {i} from rank {r}\n")), "{stderr}");
+        }
+    }
+    let mut topo: Vec<serde_json::Value> = stdout
+        .lines()
+        .filter_map(|l| l.split_once(":{").map(|(_, j)| format!("{{{j}")))
+        .filter_map(|j| serde_json::from_str(&j).ok())
+        .collect();
+    topo.sort_by_key(|v| v["rank"].as_u64());
+    let got: Vec<(u64, u64, u64, u64, &str)> = topo
+        .iter()
+        .map(|v| {
+            (v["local_rank"].as_u64().unwrap(), v["local_size"].as_u64().unwrap(), v["cross_rank"].as_u64().unwrap(),
+             v["cross_size"].as_u64().unwrap(), v["hostname"].as_str().unwrap())
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![(0, 2, 0, 2, "127.0.0.2"), (1, 2, 0, 2, "127.0.0.2"), (0, 2, 1, 2, "127.0.0.3"), (1, 2, 1, 2, "127.0.0.3")]
+    );
+    assert!(topo.iter().all(|v| v["homogeneous"] == true));
+}
+
+#[test]
+fn a_failing_rank_fails_the_job_with_its_code_and_host() {
+    let p = probe();
+    let out = run(&["-np", "3", "-H", "127.0.0.2:1,127.0.0.3:2", &p, "--exit-code", "7", "--on-rank", "2"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{stderr}");
+    assert!(stderr.contains("rank 2 on host 127.0.0.3 exited with code 7"), "{stderr}");
+}
+
+#[test]
+fn a_killed_worker_fails_the_job_and_leaves_no_process_behind() {
+    let p = probe();
+    let mut job = Running::start(&["-np", "3", "-H", "127.0.0.2:1,127.0.0.3:1,127.0.0.4:1", &p, "--allreduce-loop"]);
+    let pids = job.wait_for_workers(3);
+    thread::sleep(Duration::from_millis(200)); // well inside the allreduce loop
+    kill(Pid::from_raw(pids[1]), Signal::SIGKILL).expect("kill rank 1");
+    let (code, stderr, took) = job.finish();
+    assert_ne!(code, Some(0), "{stderr}");
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert!(stderr.contains("rank 1 on host 127.0.0.3 was killed by signal 9"), "{stderr}");
+    assert_all_gone(&pids);
+}
+
+#[test]
+fn a_hung_worker_is_stopped_within_two_seconds_of_a_failure() {
+    let p = probe();
+    // Rank 0 hangs after its allreduce, rank 1 fails: rank 0 must not keep the job alive.
+    let mut job = Running::start(&["-np", "2", "-H", "127.0.0.2:2", &p, "--hang", "--on-rank", "0", "--exit-code", "5"]);
+    let pids = job.wait_for_workers(2);
+    let (code, stderr, took) = job.finish();
+    assert_eq!(code, Some(5), "{stderr}");
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert_all_gone(&pids);
+}
+
+#[test]
+fn sigterm_and_sigint_stop_every_worker() {
+    let p = probe();
+    for (sig, code) in [(Signal::SIGTERM, 143), (Signal::SIGINT, 130)] {
+        let mut job = Running::start(&["-np", "3", "-H", "127.0.0.2:3", &p, "--hang"]);
+        let pids = job.wait_for_workers(3);
+        kill(Pid::from_raw(job.child.id() as i32), sig).expect("signal horovodrun");
+        let (got, stderr, took) = job.finish();
+        assert_eq!(got, Some(code), "{stderr}");
+        assert!(took < Duration::from_secs(3), "took {took:?}");
+        assert!(stderr.contains("all workers were stopped"), "{stderr}");
+        assert_all_gone(&pids);
+    }
+}
+
+#[test]
+fn workers_exit_when_the_launcher_is_killed_outright() {
+    let p = probe();
+    let mut job = Running::start(&["-np", "2", "-H", "127.0.0.2:2", &p, "--hang"]);
+    let pids = job.wait_for_workers(2);
+    job.child.kill().expect("SIGKILL horovodrun");
+    let _ = job.child.wait();
+    // No signal reaches them: they notice the closed driver connection.
+    assert_all_gone(&pids);
+}
+
+#[test]
+fn too_many_processes_is_refused_before_anything_starts() {
+    let out = run(&["-np", "5", "-H", "127.0.0.2:2,127.0.0.3:2", "/nonexistent/never-started"]);
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("-np 5 is larger than the 4 slots available on 127.0.0.2:2,127.0.0.3:2"), "{stderr}");
+}
+
+#[test]
+fn hostfiles_are_parsed_and_bad_ones_are_named() {
+    let dir = std::env::temp_dir().join(format!("hvd-hostfile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let good = dir.join("hosts");
+    std::fs::write(&good, "# two local hosts\n127.0.0.5 slots=1\n\n127.0.0.6 slots=1  # second\n").expect("write");
+    let p = probe();
+    let out = run(&["-np", "2", "--hostfile", good.to_str().unwrap(), &p]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("\"hostname\":\"127.0.0.6\""));
+
+    let bad = dir.join("bad");
+    std::fs::write(&bad, "127.0.0.5 slots=1\n127.0.0.6 slots=lots\n").expect("write");
+    let out = run(&["-np", "2", "--hostfile", bad.to_str().unwrap(), &p]);
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains(":2: bad hostfile line '127.0.0.6 slots=lots': slots 'lots' is not a positive integer"), "{stderr}");
+    let out = run(&["-np", "2", "--hostfile", dir.join("missing").to_str().unwrap(), &p]);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(text(&out.stderr).contains("reading hostfile"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_flags_are_usage_errors() {
+    let out = run(&["-np", "2", "--no-such-flag", "x"]);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(text(&out.stderr).contains("--no-such-flag"));
+    let out = run(&["-np", "2", "-H", "127.0.0.2:0", "x"]);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(text(&out.stderr).contains("bad -H entry '127.0.0.2:0'"));
+}
+
+#[test]
+fn workers_that_never_register_hit_the_start_timeout() {
+    let t = Instant::now();
+    let out = run(&["-np", "2", "-H", "127.0.0.2:2", "--start-timeout", "1", "sleep", "30"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("ranks [0, 1] did not register within the start timeout of 1.0s"), "{stderr}");
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+}
+
+#[test]
+fn output_filename_writes_one_log_per_rank() {
+    let dir = std::env::temp_dir().join(format!("hvd-logs-{}", std::process::id()));
+    let p = probe();
+    let out = run(&["-np", "2", "-H", "127.0.0.2:2", "--output-filename", dir.to_str().unwrap(), &p]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    for r in 0..2 {
+        let so = std::fs::read_to_string(dir.join(format!("rank.{r}/stdout"))).expect("stdout log");
+        let se = std::fs::read_to_string(dir.join(format!("rank.{r}/stderr"))).expect("stderr log");
+        assert!(so.contains(&format!("out line 0 from rank {r}")), "{so}");
+        assert!(se.contains(&format!("err line 0 from rank {r}")), "{se}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
