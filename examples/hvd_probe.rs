@@ -17,12 +17,15 @@ struct Args {
     /// Exit with this code after the allreduce (on `--on-rank` only, or on every rank).
     #[arg(long)]
     exit_code: Option<i32>,
-    /// The rank that exits with `--exit-code` or sleeps with `--hang`.
+    /// The rank that exits with `--exit-code`.
     #[arg(long)]
     on_rank: Option<usize>,
-    /// Sleep forever instead of finishing.
+    /// Sleep forever instead of finishing (on `--hang-rank` only, or on every rank).
     #[arg(long)]
     hang: bool,
+    /// The rank that hangs with `--hang`.
+    #[arg(long)]
+    hang_rank: Option<usize>,
     /// Keep allreducing 1 MiB buffers until a collective fails; exit 3 with the error.
     #[arg(long)]
     allreduce_loop: bool,
@@ -70,7 +73,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    if args.hang && me(args.on_rank) {
+    if args.hang && me(args.hang_rank) {
         loop {
             std::thread::sleep(Duration::from_secs(3600));
         }

@@ -20,7 +20,11 @@ fn probe() -> String {
     let exe = std::env::current_exe().expect("test exe");
     let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
     let p: PathBuf = dir.join("examples").join("hvd_probe");
-    assert!(p.exists(), "{} is missing: run the tests with `cargo test --workspace`, which builds the examples", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`, which builds the examples",
+        p.display()
+    );
     p.display().to_string()
 }
 
@@ -62,7 +66,12 @@ struct Running {
 
 impl Running {
     fn start(args: &[&str]) -> Self {
-        let mut child = horovodrun().args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
+        let mut child = horovodrun()
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn");
         let out = child.stdout.take().expect("stdout");
         let (tx, lines) = mpsc::channel();
         thread::spawn(move || {
@@ -72,7 +81,11 @@ impl Running {
                 }
             }
         });
-        Self { child, lines, seen: Vec::new() }
+        Self {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
     }
 
     /// Waits until `n` workers have printed their topology; returns their pids by rank.
@@ -84,8 +97,10 @@ impl Running {
                 let mut by_rank = vec![0; n];
                 for l in &self.seen {
                     if let Some((_, j)) = l.split_once(":{") {
-                        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&format!("{{{j}")) {
-                            by_rank[v["rank"].as_u64().expect("rank") as usize] = v["pid"].as_i64().expect("pid") as i32;
+                        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&format!("{{{j}"))
+                        {
+                            by_rank[v["rank"].as_u64().expect("rank") as usize] =
+                                v["pid"].as_i64().expect("pid") as i32;
                         }
                     }
                 }
@@ -135,13 +150,27 @@ fn assert_all_gone(pids: &[i32]) {
 #[test]
 fn four_workers_on_two_hosts_succeed_with_prefixed_output() {
     let p = probe();
-    let out = run(&["-np", "4", "-H", "127.0.0.2:2,127.0.0.3:2", &p, "--lines", "2"]);
+    let out = run(&[
+        "-np",
+        "4",
+        "-H",
+        "127.0.0.2:2,127.0.0.3:2",
+        &p,
+        "--lines",
+        "2",
+    ]);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     for r in 0..4 {
         for i in 0..2 {
-            assert!(stdout.contains(&format!("[{r}]<stdout>:out line {i} from rank {r}\n")), "{stdout}");
-            assert!(stderr.contains(&format!("[{r}]<stderr>:err line {i} from rank {r}\n")), "{stderr}");
+            assert!(
+                stdout.contains(&format!("[{r}]<stdout>:out line {i} from rank {r}\n")),
+                "{stdout}"
+            );
+            assert!(
+                stderr.contains(&format!("[{r}]<stderr>:err line {i} from rank {r}\n")),
+                "{stderr}"
+            );
         }
     }
     let mut topo: Vec<serde_json::Value> = stdout
@@ -153,13 +182,23 @@ fn four_workers_on_two_hosts_succeed_with_prefixed_output() {
     let got: Vec<(u64, u64, u64, u64, &str)> = topo
         .iter()
         .map(|v| {
-            (v["local_rank"].as_u64().unwrap(), v["local_size"].as_u64().unwrap(), v["cross_rank"].as_u64().unwrap(),
-             v["cross_size"].as_u64().unwrap(), v["hostname"].as_str().unwrap())
+            (
+                v["local_rank"].as_u64().unwrap(),
+                v["local_size"].as_u64().unwrap(),
+                v["cross_rank"].as_u64().unwrap(),
+                v["cross_size"].as_u64().unwrap(),
+                v["hostname"].as_str().unwrap(),
+            )
         })
         .collect();
     assert_eq!(
         got,
-        vec![(0, 2, 0, 2, "127.0.0.2"), (1, 2, 0, 2, "127.0.0.2"), (0, 2, 1, 2, "127.0.0.3"), (1, 2, 1, 2, "127.0.0.3")]
+        vec![
+            (0, 2, 0, 2, "127.0.0.2"),
+            (1, 2, 0, 2, "127.0.0.2"),
+            (0, 2, 1, 2, "127.0.0.3"),
+            (1, 2, 1, 2, "127.0.0.3")
+        ]
     );
     assert!(topo.iter().all(|v| v["homogeneous"] == true));
 }
@@ -167,23 +206,46 @@ fn four_workers_on_two_hosts_succeed_with_prefixed_output() {
 #[test]
 fn a_failing_rank_fails_the_job_with_its_code_and_host() {
     let p = probe();
-    let out = run(&["-np", "3", "-H", "127.0.0.2:1,127.0.0.3:2", &p, "--exit-code", "7", "--on-rank", "2"]);
+    let out = run(&[
+        "-np",
+        "3",
+        "-H",
+        "127.0.0.2:1,127.0.0.3:2",
+        &p,
+        "--exit-code",
+        "7",
+        "--on-rank",
+        "2",
+    ]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(7), "{stderr}");
-    assert!(stderr.contains("rank 2 on host 127.0.0.3 exited with code 7"), "{stderr}");
+    assert!(
+        stderr.contains("rank 2 on host 127.0.0.3 exited with code 7"),
+        "{stderr}"
+    );
 }
 
 #[test]
 fn a_killed_worker_fails_the_job_and_leaves_no_process_behind() {
     let p = probe();
-    let mut job = Running::start(&["-np", "3", "-H", "127.0.0.2:1,127.0.0.3:1,127.0.0.4:1", &p, "--allreduce-loop"]);
+    let mut job = Running::start(&[
+        "-np",
+        "3",
+        "-H",
+        "127.0.0.2:1,127.0.0.3:1,127.0.0.4:1",
+        &p,
+        "--allreduce-loop",
+    ]);
     let pids = job.wait_for_workers(3);
     thread::sleep(Duration::from_millis(200)); // well inside the allreduce loop
     kill(Pid::from_raw(pids[1]), Signal::SIGKILL).expect("kill rank 1");
     let (code, stderr, took) = job.finish();
     assert_ne!(code, Some(0), "{stderr}");
     assert!(took < Duration::from_secs(5), "took {took:?}");
-    assert!(stderr.contains("rank 1 on host 127.0.0.3 was killed by signal 9"), "{stderr}");
+    assert!(
+        stderr.contains("rank 1 on host 127.0.0.3 was killed by signal 9"),
+        "{stderr}"
+    );
     assert_all_gone(&pids);
 }
 
@@ -191,7 +253,20 @@ fn a_killed_worker_fails_the_job_and_leaves_no_process_behind() {
 fn a_hung_worker_is_stopped_within_two_seconds_of_a_failure() {
     let p = probe();
     // Rank 0 hangs after its allreduce, rank 1 fails: rank 0 must not keep the job alive.
-    let mut job = Running::start(&["-np", "2", "-H", "127.0.0.2:2", &p, "--hang", "--on-rank", "0", "--exit-code", "5"]);
+    let mut job = Running::start(&[
+        "-np",
+        "2",
+        "-H",
+        "127.0.0.2:2",
+        &p,
+        "--hang",
+        "--hang-rank",
+        "0",
+        "--exit-code",
+        "5",
+        "--on-rank",
+        "1",
+    ]);
     let pids = job.wait_for_workers(2);
     let (code, stderr, took) = job.finish();
     assert_eq!(code, Some(5), "{stderr}");
@@ -227,10 +302,19 @@ fn workers_exit_when_the_launcher_is_killed_outright() {
 
 #[test]
 fn too_many_processes_is_refused_before_anything_starts() {
-    let out = run(&["-np", "5", "-H", "127.0.0.2:2,127.0.0.3:2", "/nonexistent/never-started"]);
+    let out = run(&[
+        "-np",
+        "5",
+        "-H",
+        "127.0.0.2:2,127.0.0.3:2",
+        "/nonexistent/never-started",
+    ]);
     assert_eq!(out.status.code(), Some(64));
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("-np 5 is larger than the 4 slots available on 127.0.0.2:2,127.0.0.3:2"), "{stderr}");
+    assert!(
+        stderr.contains("-np 5 is larger than the 4 slots available on 127.0.0.2:2,127.0.0.3:2"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -238,7 +322,11 @@ fn hostfiles_are_parsed_and_bad_ones_are_named() {
     let dir = std::env::temp_dir().join(format!("hvd-hostfile-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     let good = dir.join("hosts");
-    std::fs::write(&good, "# two local hosts\n127.0.0.5 slots=1\n\n127.0.0.6 slots=1  # second\n").expect("write");
+    std::fs::write(
+        &good,
+        "# two local hosts\n127.0.0.5 slots=1\n\n127.0.0.6 slots=1  # second\n",
+    )
+    .expect("write");
     let p = probe();
     let out = run(&["-np", "2", "--hostfile", good.to_str().unwrap(), &p]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
@@ -249,8 +337,19 @@ fn hostfiles_are_parsed_and_bad_ones_are_named() {
     let out = run(&["-np", "2", "--hostfile", bad.to_str().unwrap(), &p]);
     assert_eq!(out.status.code(), Some(64));
     let stderr = text(&out.stderr);
-    assert!(stderr.contains(":2: bad hostfile line '127.0.0.6 slots=lots': slots 'lots' is not a positive integer"), "{stderr}");
-    let out = run(&["-np", "2", "--hostfile", dir.join("missing").to_str().unwrap(), &p]);
+    assert!(
+        stderr.contains(
+            ":2: bad hostfile line '127.0.0.6 slots=lots': slots 'lots' is not a positive integer"
+        ),
+        "{stderr}"
+    );
+    let out = run(&[
+        "-np",
+        "2",
+        "--hostfile",
+        dir.join("missing").to_str().unwrap(),
+        &p,
+    ]);
     assert_eq!(out.status.code(), Some(64));
     assert!(text(&out.stderr).contains("reading hostfile"));
     let _ = std::fs::remove_dir_all(&dir);
@@ -269,18 +368,42 @@ fn bad_flags_are_usage_errors() {
 #[test]
 fn workers_that_never_register_hit_the_start_timeout() {
     let t = Instant::now();
-    let out = run(&["-np", "2", "-H", "127.0.0.2:2", "--start-timeout", "1", "sleep", "30"]);
+    let out = run(&[
+        "-np",
+        "2",
+        "-H",
+        "127.0.0.2:2",
+        "--start-timeout",
+        "1",
+        "sleep",
+        "30",
+    ]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("ranks [0, 1] did not register within the start timeout of 1.0s"), "{stderr}");
-    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    assert!(
+        stderr.contains("ranks [0, 1] did not register within the start timeout of 1.0s"),
+        "{stderr}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
 }
 
 #[test]
 fn output_filename_writes_one_log_per_rank() {
     let dir = std::env::temp_dir().join(format!("hvd-logs-{}", std::process::id()));
     let p = probe();
-    let out = run(&["-np", "2", "-H", "127.0.0.2:2", "--output-filename", dir.to_str().unwrap(), &p]);
+    let out = run(&[
+        "-np",
+        "2",
+        "-H",
+        "127.0.0.2:2",
+        "--output-filename",
+        dir.to_str().unwrap(),
+        &p,
+    ]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     for r in 0..2 {
         let so = std::fs::read_to_string(dir.join(format!("rank.{r}/stdout"))).expect("stdout log");

@@ -208,8 +208,10 @@ fn spawn_watchdog(mut reader: BufReader<TcpStream>, leaving: Arc<AtomicBool>, ra
                 // Give a concurrent clean shutdown a moment to mark itself.
                 thread::sleep(Duration::from_millis(50));
                 if !leaving.load(Ordering::SeqCst) {
-                    tracing::error!(rank, "lost the connection to the driver; exiting");
-                    eprintln!(
+                    // stderr may be a pipe to the dead driver: a failed write must not stop
+                    // the exit (eprintln! would panic this thread and leave the worker behind).
+                    let _ = writeln!(
+                        std::io::stderr(),
                         "hvd: rank {rank} lost its connection to the driver (horovodrun); exiting"
                     );
                     std::process::exit(1);
