@@ -298,6 +298,7 @@ impl Communicator {
         if let Err(f) = self.set_phase(Phase::Data) {
             return Err(self.link_error(f, op, Phase::Data));
         }
+        let timeout = self.cfg.progress_timeout;
         let (Some(reader), Some(writer)) =
             (self.readers[left].as_mut(), self.writers[right].as_mut())
         else {
@@ -314,6 +315,7 @@ impl Communicator {
             segments,
             first,
             recvs,
+            timeout,
         );
         res.map_err(|f| self.link_error(f, op, Phase::Data))
     }

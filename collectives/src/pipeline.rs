@@ -1,19 +1,23 @@
 //! The pipelined segment engine behind the ring allreduce, reducescatter and chain broadcast.
 //!
-//! A buffer is cut into segments. A sender thread writes segments to the right-hand neighbour in
-//! the order they are handed to it, while the calling thread reads segments from the left-hand
-//! neighbour and reduces (or copies) them in place, then hands each one to the sender if it
-//! travels on. Sending, receiving and reducing therefore overlap, segment by segment and across
-//! ring steps. Ownership of each `&mut` segment moves between the two threads through channels,
-//! so no segment is ever read and written at once and no `unsafe` is needed.
+//! A buffer is cut into segments. One thread drives both directions with non-blocking sockets:
+//! it writes queued segments to the right-hand neighbour while it reads segments from the
+//! left-hand one, reducing (or copying) them in place piece by piece, and queues each finished
+//! segment that travels on. Sending, receiving and reducing overlap segment by segment and
+//! across ring steps, with no second thread to wake (on a machine with fewer cores than ranks,
+//! every extra runnable thread costs a context switch per segment). A segment is never
+//! overwritten while its old contents still wait to be sent.
 
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::sync::mpsc;
-use std::thread;
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 use crate::dtype::{Element, ReduceOp};
-use crate::link::{LinkFailure, Shared, read_full, write_full};
-
+use crate::link::{LinkFailure, Shared};
 /// What to do with a segment that arrives from the left.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Mode {
@@ -33,7 +37,7 @@ pub(crate) struct Recv {
     pub forward: bool,
 }
 
-/// Elements of a reduce scratch piece: small enough to stay in L2 while it is reduced.
+/// Bytes of a reduce scratch piece: small enough to stay in L2 while it is reduced.
 const PIECE_BYTES: usize = 256 * 1024;
 
 /// Cuts `buf` into `bounds.len() - 1` segments at the given element offsets.
@@ -47,116 +51,171 @@ pub(crate) fn split_at_bounds<'a, T>(mut buf: &'a mut [T], bounds: &[usize]) -> 
     out
 }
 
-/// Runs a schedule: `first` segments are sent at once, then `recvs` are processed in order.
-///
-/// `left`/`right` are the peers' ranks, used to name a failure.
+/// Puts both sockets in non-blocking mode for the engine and back when it is done.
+struct NonBlocking<'a>(&'a TcpStream, &'a TcpStream);
+
+impl<'a> NonBlocking<'a> {
+    fn new(a: &'a TcpStream, b: &'a TcpStream) -> io::Result<Self> {
+        a.set_nonblocking(true)?;
+        b.set_nonblocking(true)?;
+        Ok(Self(a, b))
+    }
+}
+
+impl Drop for NonBlocking<'_> {
+    fn drop(&mut self) {
+        // A socket that can't be switched back is broken, and the next call reports it.
+        let _ = self.0.set_nonblocking(false);
+        let _ = self.1.set_nonblocking(false);
+    }
+}
+
+/// Runs a schedule: `first` segments are queued for sending at once, then `recvs` are
+/// processed in order. `left`/`right` are the peers' ranks, used to name a failure; `timeout`
+/// bounds how long the engine waits without any progress.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run<T: Element>(
     shared: &Shared,
     reader: &mut TcpStream,
     left: usize,
     writer: &mut TcpStream,
     right: usize,
-    segments: Vec<&mut [T]>,
+    mut segments: Vec<&mut [T]>,
     first: &[usize],
     recvs: &[Recv],
+    timeout: Duration,
 ) -> Result<(), LinkFailure> {
-    let n = segments.len();
-    let mut slots: Vec<Option<&mut [T]>> = segments.into_iter().map(Some).collect();
-    thread::scope(|scope| {
-        // Capacity n: every segment can be queued at once, so the calling thread never blocks on
-        // a send, only on data.
-        let (to_sender, sender_rx) = mpsc::sync_channel::<(usize, &mut [T])>(n.max(1));
-        let (back_tx, back) = mpsc::sync_channel::<(usize, &mut [T])>(n.max(1));
-        let sender = scope.spawn(move || -> Result<(), LinkFailure> {
-            for (id, seg) in sender_rx {
-                if let Err(e) = write_full(writer, bytemuck::cast_slice(seg)) {
-                    return Err(LinkFailure::new(shared, right, e));
-                }
-                if back_tx.send((id, seg)).is_err() {
-                    break; // the receiving side gave up; its error is the one that counts
-                }
-            }
-            Ok(())
-        });
-
-        let received = receive_all(
-            shared, reader, left, &mut slots, &to_sender, &back, first, recvs,
-        );
-        if received.is_err() {
-            shared.trip();
-        }
-        drop(to_sender);
-        let sent = sender.join().unwrap_or_else(|_| {
-            Err(LinkFailure::new(
-                shared,
-                right,
-                std::io::Error::other("sender thread panicked"),
-            ))
-        });
-        match (received, sent) {
-            (Ok(()), Ok(())) => Ok(()),
-            (Err(r), Err(s)) => Err(if s.primary && !r.primary { s } else { r }),
-            (Err(e), _) | (_, Err(e)) => Err(e),
-        }
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-fn receive_all<'a, T: Element>(
-    shared: &Shared,
-    reader: &mut TcpStream,
-    left: usize,
-    slots: &mut [Option<&'a mut [T]>],
-    to_sender: &mpsc::SyncSender<(usize, &'a mut [T])>,
-    back: &mpsc::Receiver<(usize, &'a mut [T])>,
-    first: &[usize],
-    recvs: &[Recv],
-) -> Result<(), LinkFailure> {
-    let gone = || LinkFailure::new(shared, left, std::io::Error::other("sender stopped"));
-    for &id in first {
-        let seg = slots[id].take().ok_or_else(gone)?;
-        to_sender.send((id, seg)).map_err(|_| gone())?;
-    }
+    let rd_fail = |e| LinkFailure::new(shared, left, e);
+    let wr_fail = |e| LinkFailure::new(shared, right, e);
+    let reader_handle = reader.try_clone().map_err(rd_fail)?;
+    let writer_handle = writer.try_clone().map_err(wr_fail)?;
+    let _mode = NonBlocking::new(&reader_handle, &writer_handle).map_err(rd_fail)?;
     let piece = (PIECE_BYTES / size_of::<T>()).max(1);
     let mut scratch: Vec<T> = Vec::new();
-    for r in recvs {
-        while slots[r.seg].is_none() {
-            match back.recv() {
-                Ok((i, seg)) => slots[i] = Some(seg),
-                // The sender failed: its own error names the peer; this one is secondary.
-                Err(_) => return Err(gone()),
+    let mut queue: VecDeque<usize> = first.iter().copied().collect();
+    let mut queued = vec![false; segments.len()];
+    first.iter().for_each(|&id| queued[id] = true);
+    let (mut sent, mut ri, mut got, mut at) = (0usize, 0usize, 0usize, 0usize);
+    let poll_timeout = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
+    loop {
+        let mut progressed = false;
+        while let Some(&id) = queue.front() {
+            let bytes: &[u8] = bytemuck::cast_slice(&*segments[id]);
+            if sent == bytes.len() {
+                queue.pop_front();
+                queued[id] = false;
+                sent = 0;
+                continue;
+            }
+            match writer.write(&bytes[sent..]) {
+                Ok(k) => {
+                    sent += k;
+                    progressed = true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(wr_fail(e)),
             }
         }
-        let Some(seg) = slots[r.seg].take() else {
-            return Err(gone());
-        };
-        let io = |e| LinkFailure::new(shared, left, e);
-        match r.mode {
-            Mode::Copy => read_full(reader, bytemuck::cast_slice_mut(seg)).map_err(io)?,
-            Mode::Reduce(_) | Mode::ReduceDivide(_) if !seg.is_empty() => {
-                let op = match r.mode {
-                    Mode::Reduce(op) => op,
-                    _ => ReduceOp::Sum,
-                };
-                if scratch.is_empty() {
-                    scratch = vec![T::zeroed(); piece];
+        while let Some(r) = recvs.get(ri).copied() {
+            if queued[r.seg] {
+                break; // its old contents are still on their way out
+            }
+            let seg = &mut *segments[r.seg];
+            // The bytes still to arrive for the current piece (the whole segment when copying).
+            let (target, len): (&mut [u8], usize) = match r.mode {
+                Mode::Copy => {
+                    let b: &mut [u8] = bytemuck::cast_slice_mut(seg);
+                    let n = b.len();
+                    (b, n)
                 }
-                for chunk in seg.chunks_mut(piece) {
-                    let tmp = &mut scratch[..chunk.len()];
-                    read_full(reader, bytemuck::cast_slice_mut(tmp)).map_err(io)?;
-                    T::reduce_into(chunk, tmp, op);
+                Mode::Reduce(_) | Mode::ReduceDivide(_) => {
+                    let plen = piece.min(seg.len() - at);
+                    if scratch.len() < plen {
+                        scratch.resize(plen, T::zeroed());
+                    }
+                    let b: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..plen]);
+                    let n = b.len();
+                    (b, n)
                 }
-                if let Mode::ReduceDivide(k) = r.mode {
-                    T::divide(seg, k);
+            };
+            if got < len {
+                match reader.read(&mut target[got..]) {
+                    Ok(0) => {
+                        let eof = io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "connection closed by peer",
+                        );
+                        return Err(rd_fail(eof));
+                    }
+                    Ok(k) => {
+                        got += k;
+                        progressed = true;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(rd_fail(e)),
+                }
+                if got < len {
+                    continue;
                 }
             }
-            Mode::Reduce(_) | Mode::ReduceDivide(_) => {}
+            // The piece (or segment) is complete.
+            got = 0;
+            match r.mode {
+                Mode::Copy => at = seg.len(),
+                Mode::Reduce(_) | Mode::ReduceDivide(_) => {
+                    let plen = piece.min(seg.len() - at);
+                    let op = if let Mode::Reduce(op) = r.mode {
+                        op
+                    } else {
+                        ReduceOp::Sum
+                    };
+                    T::reduce_into(&mut seg[at..at + plen], &scratch[..plen], op);
+                    at += plen;
+                }
+            }
+            if at < seg.len() {
+                continue;
+            }
+            if let Mode::ReduceDivide(k) = r.mode {
+                T::divide(seg, k);
+            }
+            at = 0;
+            ri += 1;
+            if r.forward {
+                queue.push_back(r.seg);
+                queued[r.seg] = true;
+            }
+            progressed = true;
         }
-        if r.forward {
-            to_sender.send((r.seg, seg)).map_err(|_| gone())?;
-        } else {
-            slots[r.seg] = Some(seg);
+        if queue.is_empty() && ri == recvs.len() {
+            return Ok(());
+        }
+        if progressed {
+            continue;
+        }
+        let want_read = recvs.get(ri).is_some_and(|r| !queued[r.seg]);
+        let want_write = !queue.is_empty();
+        let mut fds = Vec::with_capacity(2);
+        if want_read {
+            fds.push(PollFd::new(reader_handle.as_fd(), PollFlags::POLLIN));
+        }
+        if want_write {
+            fds.push(PollFd::new(writer_handle.as_fd(), PollFlags::POLLOUT));
+        }
+        match poll(&mut fds, poll_timeout) {
+            Ok(0) => {
+                let waited = io::Error::new(io::ErrorKind::TimedOut, "no progress");
+                return Err(if want_read {
+                    rd_fail(waited)
+                } else {
+                    wr_fail(waited)
+                });
+            }
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(rd_fail(io::Error::from(e))),
         }
     }
-    Ok(())
 }
