@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep_until};
 
 use crate::hosts;
-use crate::rendezvous::{self, Registration};
+use crate::rendezvous::{self, Registration, Wire};
 
 /// Grace between SIGTERM and SIGKILL when stopping workers.
 const TERM_GRACE: Duration = Duration::from_millis(1000);
@@ -80,18 +80,13 @@ pub enum Outcome {
     Interrupted(Signal),
 }
 
-/// What the tasks around the job tell its loop.
+/// A worker process ended.
 #[derive(Debug)]
-pub enum Event {
-    /// A worker registered.
-    Registered(Registration),
-    /// A worker exited.
-    Exited {
-        /// Its rank.
-        rank: usize,
-        /// How.
-        status: ExitStatus,
-    },
+pub struct Exit {
+    /// The worker's id (its rank, in a static job).
+    pub worker: u64,
+    /// How it ended.
+    pub status: ExitStatus,
 }
 
 fn worker_env(
@@ -130,7 +125,7 @@ fn worker_env(
 /// Relays one pipe of one worker, a line at a time, prefixed `[rank]<stdout>:` as horovodrun
 /// does, and copies it to the rank's log file when one is asked for.
 async fn relay(
-    rank: usize,
+    label: String,
     stream_name: &'static str,
     pipe: impl AsyncRead + Unpin,
     log: Option<PathBuf>,
@@ -140,13 +135,13 @@ async fn relay(
         Some(p) => match tokio::fs::File::create(&p).await {
             Ok(f) => Some(f),
             Err(e) => {
-                tracing::error!(rank, path = %p.display(), error = %e, "cannot write the rank's log file");
+                tracing::error!(worker = %label, path = %p.display(), error = %e, "cannot write the rank's log file");
                 None
             }
         },
         None => None,
     };
-    let prefix = format!("[{rank}]<{stream_name}>:");
+    let prefix = format!("[{label}]<{stream_name}>:");
     let mut buf = Vec::new();
     loop {
         buf.clear();
@@ -159,7 +154,7 @@ async fn relay(
         }
         if let Some(f) = file.as_mut() {
             if let Err(e) = f.write_all(&buf).await {
-                tracing::error!(rank, error = %e, "writing the rank's log file failed; console only");
+                tracing::error!(worker = %label, error = %e, "writing the rank's log file failed; console only");
                 file = None;
             }
         }
@@ -186,6 +181,112 @@ pub fn new_secret() -> std::io::Result<String> {
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
+/// Starts worker processes, locally or through ssh, and relays their output. Each worker's
+/// exit is reported on `exits`.
+#[derive(Debug, Clone)]
+pub struct Launcher {
+    /// The training command.
+    pub command: Vec<String>,
+    /// SSH port for remote hosts.
+    pub ssh_port: Option<u16>,
+    /// SSH identity for remote hosts.
+    pub ssh_identity: Option<PathBuf>,
+    /// Working directory the remote workers change to.
+    pub cwd: PathBuf,
+    /// Where exits are reported.
+    pub exits: mpsc::Sender<Exit>,
+}
+
+/// A started worker.
+#[derive(Debug)]
+pub struct Spawned {
+    /// Its process id (its process group id too).
+    pub pid: Option<i32>,
+    /// The tasks relaying its output.
+    pub relays: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Launcher {
+    /// Starts worker `id` on `host` with `env`; its output lines carry `[label]`, and are also
+    /// written to `log/{stdout,stderr}` when `log` is given.
+    ///
+    /// # Errors
+    /// The reason the process could not be started.
+    pub fn spawn(
+        &self,
+        id: u64,
+        label: &str,
+        host: &str,
+        local: bool,
+        env: Vec<(String, String)>,
+        log: Option<PathBuf>,
+    ) -> Result<Spawned, String> {
+        let mut cmd = if local {
+            let mut c = Command::new(&self.command[0]);
+            c.args(&self.command[1..]).envs(env);
+            c
+        } else {
+            let argv = hosts::ssh_argv(
+                host,
+                self.ssh_port,
+                self.ssh_identity.as_deref(),
+                &self.cwd,
+                &env,
+                &self.command,
+            );
+            let mut c = Command::new(&argv[0]);
+            c.args(&argv[1..]);
+            c
+        };
+        if let Some(dir) = &log {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("creating the log directory {}: {e}", dir.display()))?;
+        }
+        // Its own process group, so stopping a worker stops whatever it started too.
+        cmd.process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("{}: {e}", self.command[0]))?;
+        let pid = child.id().and_then(|p| i32::try_from(p).ok());
+        tracing::debug!(worker = id, host, ?pid, "worker started");
+        let mut relays = Vec::new();
+        let file = |name: &str| log.as_ref().map(|d| d.join(name));
+        if let Some(out) = child.stdout.take() {
+            relays.push(tokio::spawn(relay(
+                label.to_string(),
+                "stdout",
+                out,
+                file("stdout"),
+            )));
+        }
+        if let Some(err) = child.stderr.take() {
+            relays.push(tokio::spawn(relay(
+                label.to_string(),
+                "stderr",
+                err,
+                file("stderr"),
+            )));
+        }
+        let exits = self.exits.clone();
+        tokio::spawn(async move {
+            let status = match child.wait().await {
+                Ok(st) => st,
+                Err(e) => {
+                    tracing::error!(worker = id, error = %e, "waiting for worker failed");
+                    ExitStatus::from_raw(1 << 8)
+                }
+            };
+            // The job may be over; then nobody listens.
+            let _ = exits.send(Exit { worker: id, status }).await;
+        });
+        Ok(Spawned { pid, relays })
+    }
+}
+
 /// Runs the job to its end.
 ///
 /// # Errors
@@ -196,87 +297,49 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
     let listener = tokio::net::TcpListener::bind((spec.rendezvous_bind.as_str(), 0)).await?;
     let rendezvous = format!("{}:{}", spec.rendezvous_host, listener.local_addr()?.port());
     tracing::debug!(%rendezvous, "rendezvous listening");
-    let (tx, mut rx) = mpsc::channel::<Event>(size * 2 + 8);
+    let (wire_tx, mut wire_rx) = mpsc::channel::<Wire>(size * 2 + 8);
     let server = tokio::spawn(rendezvous::serve(
         listener,
         secret.clone(),
-        size,
-        tx.clone(),
+        Some(size as u64),
+        wire_tx,
     ));
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
-
-    if let Some(dir) = &spec.output_dir {
-        for s in &spec.slots {
-            std::fs::create_dir_all(dir.join(format!("rank.{}", s.rank)))?;
-        }
-    }
-    let cwd = std::env::current_dir()?;
+    let (tx, mut rx) = mpsc::channel::<Exit>(size + 8);
+    let launcher = Launcher {
+        command: spec.command.clone(),
+        ssh_port: spec.ssh_port,
+        ssh_identity: spec.ssh_identity.clone(),
+        cwd: std::env::current_dir()?,
+        exits: tx,
+    };
     let mut pids: Vec<Option<i32>> = vec![None; size];
     let mut relays = Vec::new();
     let mut outcome = None;
     for s in &spec.slots {
         let env = worker_env(&spec, s, &rendezvous, &secret);
-        let mut cmd = if spec.local[s.rank] {
-            let mut c = Command::new(&spec.command[0]);
-            c.args(&spec.command[1..]).envs(env);
-            c
-        } else {
-            let argv = hosts::ssh_argv(
-                &s.host,
-                spec.ssh_port,
-                spec.ssh_identity.as_deref(),
-                &cwd,
-                &env,
-                &spec.command,
-            );
-            let mut c = Command::new(&argv[0]);
-            c.args(&argv[1..]);
-            c
-        };
-        // Its own process group, so stopping a worker stops whatever it started too.
-        cmd.process_group(0)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
+        let log = spec
+            .output_dir
+            .as_ref()
+            .map(|d| d.join(format!("rank.{}", s.rank)));
+        let label = s.rank.to_string();
+        match launcher.spawn(s.rank as u64, &label, &s.host, spec.local[s.rank], env, log) {
+            Ok(w) => {
+                pids[s.rank] = w.pid;
+                relays.extend(w.relays);
+            }
+            Err(error) => {
                 outcome = Some(Outcome::SpawnFailed {
                     rank: s.rank,
                     host: s.host.clone(),
-                    error: format!("{}: {e}", spec.command[0]),
+                    error,
                 });
                 break;
             }
-        };
-        pids[s.rank] = child.id().and_then(|p| i32::try_from(p).ok());
-        tracing::debug!(rank = s.rank, host = %s.host, pid = ?pids[s.rank], "worker started");
-        let log = |name: &str| {
-            spec.output_dir
-                .as_ref()
-                .map(|d| d.join(format!("rank.{}", s.rank)).join(name))
-        };
-        if let Some(out) = child.stdout.take() {
-            relays.push(tokio::spawn(relay(s.rank, "stdout", out, log("stdout"))));
         }
-        if let Some(err) = child.stderr.take() {
-            relays.push(tokio::spawn(relay(s.rank, "stderr", err, log("stderr"))));
-        }
-        let (tx, rank) = (tx.clone(), s.rank);
-        tokio::spawn(async move {
-            let status = match child.wait().await {
-                Ok(st) => st,
-                Err(e) => {
-                    tracing::error!(rank, error = %e, "waiting for worker failed");
-                    ExitStatus::from_raw(1 << 8)
-                }
-            };
-            let _ = tx.send(Event::Exited { rank, status }).await; // the job may be over
-        });
     }
-    drop(tx);
+    drop(launcher);
 
     let started = Instant::now();
     let deadline = started + spec.start_timeout;
@@ -286,9 +349,9 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
     let mut exited = vec![false; size];
     while outcome.is_none() && running > 0 {
         tokio::select! {
-            ev = rx.recv() => match ev {
-                Some(Event::Registered(reg)) => {
-                    let rank = reg.rank;
+            Some(ev) = wire_rx.recv() => match ev {
+                Wire::Registered(reg) => {
+                    let rank = reg.worker as usize;
                     if regs[rank].is_some() || world_sent {
                         tracing::warn!(rank, "second registration for a rank; ignored");
                         continue;
@@ -296,14 +359,19 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
                     tracing::debug!(rank, addr = %reg.addr, pid = reg.pid, "worker registered");
                     regs[rank] = Some(reg);
                     if regs.iter().all(Option::is_some) {
-                        if let Err(e) = rendezvous::send_world(&mut regs).await {
-                            tracing::warn!(error = %e, "rank table not delivered");
-                        }
+                        send_world(&spec.slots, &regs);
                         world_sent = true;
                         tracing::info!(workers = size, took_ms = started.elapsed().as_millis() as u64, "all workers registered; rank table sent");
                     }
                 }
-                Some(Event::Exited { rank, status }) => {
+                Wire::Joined { worker, reason, .. } => {
+                    tracing::warn!(rank = worker, %reason, "a worker of a static job asked for a new round; static jobs have one");
+                }
+                Wire::Left { .. } => {}
+            },
+            ev = rx.recv() => match ev {
+                Some(Exit { worker, status }) => {
+                    let rank = worker as usize;
                     exited[rank] = true;
                     running -= 1;
                     if status.success() {
@@ -323,7 +391,13 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
         }
     }
     if running > 0 {
-        stop_workers(&pids, &mut exited, &mut running, &mut rx).await;
+        let targets: Vec<(u64, i32)> = pids
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| !exited[*r])
+            .filter_map(|(r, p)| p.map(|p| (r as u64, p)))
+            .collect();
+        stop_workers(&targets, &mut rx).await;
     }
     server.abort();
     drop(regs); // closes the rendezvous connections
@@ -334,38 +408,56 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
     Ok(outcome.unwrap_or(Outcome::Success))
 }
 
-/// SIGTERM to every running worker's process group, SIGKILL after a grace period.
-async fn stop_workers(
-    pids: &[Option<i32>],
-    exited: &mut [bool],
-    running: &mut usize,
-    rx: &mut mpsc::Receiver<Event>,
-) {
-    tracing::info!(workers = *running, "stopping the remaining workers");
+/// Sends each registered worker its place and the rank table.
+fn send_world(slots: &[SlotInfo], regs: &[Option<Registration>]) {
+    let peers: Vec<String> = regs
+        .iter()
+        .map(|r| r.as_ref().map_or_else(String::new, |r| r.addr.clone()))
+        .collect();
+    let hosts: Vec<String> = slots.iter().map(|s| s.host.clone()).collect();
+    for (slot, reg) in slots.iter().zip(regs) {
+        if let Some(reg) = reg {
+            reg.send(&rv::DriverMsg::World {
+                generation: 0,
+                placement: slot.placement(),
+                peers: peers.clone(),
+                hosts: hosts.clone(),
+            });
+        }
+    }
+}
+
+/// SIGTERM to each `(worker, pid)` process group, SIGKILL after a grace period; returns once
+/// all have exited or the grace after SIGKILL is over. Exits seen here are returned.
+pub async fn stop_workers(targets: &[(u64, i32)], rx: &mut mpsc::Receiver<Exit>) -> Vec<Exit> {
+    let mut left: Vec<(u64, i32)> = targets.to_vec();
+    let mut seen = Vec::new();
+    if left.is_empty() {
+        return seen;
+    }
+    tracing::info!(workers = left.len(), "stopping workers");
     for sig in [Signal::SIGTERM, Signal::SIGKILL] {
-        for (rank, pid) in pids.iter().enumerate() {
-            if let (Some(pid), false) = (pid, exited[rank]) {
-                if let Err(e) = killpg(Pid::from_raw(*pid), sig) {
-                    tracing::debug!(rank, error = %e, "signalling worker failed (already gone?)");
-                }
+        for (worker, pid) in &left {
+            if let Err(e) = killpg(Pid::from_raw(*pid), sig) {
+                tracing::debug!(worker, error = %e, "signalling worker failed (already gone?)");
             }
         }
         let until = Instant::now() + TERM_GRACE;
-        while *running > 0 {
+        while !left.is_empty() {
             tokio::select! {
                 ev = rx.recv() => match ev {
-                    Some(Event::Exited { rank, .. }) => {
-                        exited[rank] = true;
-                        *running -= 1;
+                    Some(exit) => {
+                        left.retain(|(w, _)| *w != exit.worker);
+                        seen.push(exit);
                     }
-                    Some(Event::Registered(_)) => {}
-                    None => return,
+                    None => return seen,
                 },
                 () = sleep_until(until) => break,
             }
         }
-        if *running == 0 {
-            return;
+        if left.is_empty() {
+            break;
         }
     }
+    seen
 }

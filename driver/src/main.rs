@@ -1,6 +1,7 @@
 //! `horovodrun`: launches a training program on several hosts and supervises it.
 
 mod cli;
+mod elastic;
 mod hosts;
 mod job;
 mod rendezvous;

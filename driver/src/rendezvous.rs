@@ -1,6 +1,7 @@
 //! The driver's side of the rendezvous: workers connect, present the job secret and their
-//! listener address; when every rank is in, each gets the rank table. Connections stay open so
-//! that a worker notices at once when its driver is gone.
+//! listener address, and keep the connection open. The driver answers rounds with rank tables
+//! and pushes host changes down it; a worker notices at once when its driver is gone, and the
+//! driver notices at once when a worker's connection drops.
 
 use std::time::Duration;
 
@@ -10,31 +11,69 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use crate::job::Event;
-
 const FIRST_LINE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A worker that presented the right secret.
 #[derive(Debug)]
 pub struct Registration {
-    /// Its rank.
-    pub rank: usize,
+    /// Its id (the rank, in a static job).
+    pub worker: u64,
     /// Its collective listener.
     pub addr: String,
     /// Its host.
     pub host: String,
     /// Its process id.
     pub pid: u32,
-    /// Where the driver writes to it.
-    pub writer: OwnedWriteHalf,
+    /// Messages queued here are written to the worker in order; dropping it closes the
+    /// connection.
+    pub tx: mpsc::UnboundedSender<Vec<u8>>,
 }
 
-/// Accepts rendezvous connections until the job ends.
+impl Registration {
+    /// Queues `msg` for the worker. A worker that is gone is noticed through its exit, so a
+    /// failed send is only logged.
+    pub fn send(&self, msg: &DriverMsg) {
+        match encode_line(msg) {
+            Ok(line) => {
+                if self.tx.send(line).is_err() {
+                    tracing::debug!(worker = self.worker, "worker connection already closed");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "cannot encode a message to a worker"),
+        }
+    }
+}
+
+/// What the rendezvous connections tell the job loop.
+#[derive(Debug)]
+pub enum Wire {
+    /// A worker opened its connection.
+    Registered(Registration),
+    /// A registered worker asks to join the next round.
+    Joined {
+        /// The worker.
+        worker: u64,
+        /// The last round it was part of.
+        generation: u64,
+        /// Why it asks.
+        reason: String,
+    },
+    /// A registered worker's connection closed; `clean` when it said goodbye first.
+    Left {
+        /// The worker.
+        worker: u64,
+        /// Whether it said goodbye.
+        clean: bool,
+    },
+}
+
+/// Accepts rendezvous connections until the job ends. `max_worker` bounds the ids accepted
+/// (the world size of a static job).
 pub async fn serve(
     listener: TcpListener,
     secret: String,
-    size: usize,
-    events: mpsc::Sender<Event>,
+    max_worker: Option<u64>,
+    events: mpsc::Sender<Wire>,
 ) {
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
@@ -42,7 +81,7 @@ pub async fn serve(
         };
         let (secret, events) = (secret.clone(), events.clone());
         tokio::spawn(async move {
-            if let Err(reason) = handle(stream, &secret, size, events).await {
+            if let Err(reason) = handle(stream, &secret, max_worker, events).await {
                 tracing::warn!(%peer, %reason, "rendezvous connection refused");
             }
         });
@@ -70,11 +109,11 @@ async fn refuse(mut w: OwnedWriteHalf, reason: String) -> String {
 async fn handle(
     stream: TcpStream,
     secret: &str,
-    size: usize,
-    events: mpsc::Sender<Event>,
+    max_worker: Option<u64>,
+    events: mpsc::Sender<Wire>,
 ) -> Result<(), String> {
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
-    let (r, w) = stream.into_split();
+    let (r, mut w) = stream.into_split();
     let mut reader = BufReader::new(r);
     let mut buf = Vec::new();
     match tokio::time::timeout(FIRST_LINE_TIMEOUT, read_line(&mut reader, &mut buf)).await {
@@ -87,69 +126,79 @@ async fn handle(
         Ok(m) => m,
         Err(e) => return Err(refuse(w, e.to_string()).await),
     };
+    if msg.secret() != secret {
+        return Err(refuse(w, "wrong job secret".into()).await);
+    }
     let WorkerMsg::Register {
-        secret: s,
-        rank,
+        worker,
         addr,
         host,
         pid,
+        ..
     } = msg
     else {
         return Err(refuse(w, "expected a registration".into()).await);
     };
-    if s != secret {
-        return Err(refuse(w, "wrong job secret".into()).await);
+    if let Some(max) = max_worker.filter(|&m| worker >= m) {
+        return Err(refuse(w, format!("rank {worker} is outside a world of {max}")).await);
     }
-    if rank >= size {
-        return Err(refuse(w, format!("rank {rank} is outside a world of {size}")).await);
-    }
+    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    // One writer per connection: a stopped worker that reads nothing never blocks the driver.
+    tokio::spawn(async move {
+        while let Some(line) = rx.recv().await {
+            if w.write_all(&line).await.is_err() {
+                break;
+            }
+        }
+    });
     let reg = Registration {
-        rank,
+        worker,
         addr,
         host,
         pid,
-        writer: w,
+        tx,
     };
-    if events.send(Event::Registered(reg)).await.is_err() {
+    if events.send(Wire::Registered(reg)).await.is_err() {
         return Ok(()); // the job is over
     }
-    // Keep reading: a goodbye or the connection closing tells the driver the worker is leaving.
     let mut clean = false;
     loop {
         match read_line(&mut reader, &mut buf).await {
             Ok(0) | Err(_) => break,
-            Ok(_) => match decode_line::<WorkerMsg>(&buf) {
-                Ok(WorkerMsg::Goodbye { secret: s, .. }) if s == secret => clean = true,
-                Ok(other) => tracing::warn!(rank, ?other, "unexpected message from worker"),
-                Err(e) => tracing::warn!(rank, error = %e, "malformed message from worker"),
-            },
+            Ok(_) => {}
+        }
+        let msg = match decode_line::<WorkerMsg>(&buf) {
+            Ok(m) if m.secret() == secret => m,
+            Ok(_) => {
+                tracing::warn!(worker, "message with a wrong secret; connection closed");
+                break;
+            }
+            Err(e) => {
+                tracing::warn!(worker, error = %e, "malformed message from worker; connection closed");
+                break;
+            }
+        };
+        match msg {
+            WorkerMsg::Goodbye { .. } => clean = true,
+            WorkerMsg::Join {
+                generation, reason, ..
+            } => {
+                let ev = Wire::Joined {
+                    worker,
+                    generation,
+                    reason,
+                };
+                if events.send(ev).await.is_err() {
+                    return Ok(());
+                }
+            }
+            WorkerMsg::Register { .. } => {
+                tracing::warn!(worker, "second registration on one connection; ignored");
+            }
         }
     }
-    tracing::debug!(rank, clean, "worker closed its rendezvous connection");
-    Ok(())
-}
-
-/// Sends the rank table to every registered worker.
-pub async fn send_world(regs: &mut [Option<Registration>]) -> Result<(), String> {
-    let peers: Vec<String> = regs
-        .iter()
-        .map(|r| r.as_ref().map_or_else(String::new, |r| r.addr.clone()))
-        .collect();
-    let hosts: Vec<String> = regs
-        .iter()
-        .map(|r| r.as_ref().map_or_else(String::new, |r| r.host.clone()))
-        .collect();
-    let line = encode_line(&DriverMsg::World {
-        generation: 0,
-        peers,
-        hosts,
-    })
-    .map_err(|e| e.to_string())?;
-    for reg in regs.iter_mut().flatten() {
-        reg.writer
-            .write_all(&line)
-            .await
-            .map_err(|e| format!("sending the rank table to rank {}: {e}", reg.rank))?;
-    }
+    tracing::debug!(worker, clean, "worker closed its rendezvous connection");
+    // The job may be over; then nobody listens.
+    let _ = events.send(Wire::Left { worker, clean }).await;
     Ok(())
 }

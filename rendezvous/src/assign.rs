@@ -28,6 +28,20 @@ pub struct SlotInfo {
     pub cross_size: usize,
 }
 
+impl SlotInfo {
+    /// The six Horovod numbers of this slot.
+    pub fn placement(&self) -> crate::Placement {
+        crate::Placement {
+            rank: self.rank,
+            size: self.size,
+            local_rank: self.local_rank,
+            local_size: self.local_size,
+            cross_rank: self.cross_rank,
+            cross_size: self.cross_size,
+        }
+    }
+}
+
 /// Why workers can't be placed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AssignError {

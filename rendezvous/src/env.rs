@@ -28,3 +28,9 @@ pub const ENV_COLLECTIVE_TIMEOUT: &str = "HVD_COLLECTIVE_TIMEOUT";
 pub const ENV_ARRIVAL_TIMEOUT: &str = "HVD_ARRIVAL_TIMEOUT";
 /// Seconds a worker waits for the rendezvous (the driver's `--start-timeout`).
 pub const ENV_START_TIMEOUT: &str = "HOROVOD_START_TIMEOUT";
+/// The driver-given id of this worker process, stable across rounds (elastic jobs).
+pub const ENV_WORKER_ID: &str = "HVD_WORKER_ID";
+/// Set to `1` when the job is elastic: ranks come from the driver at every round.
+pub const ENV_ELASTIC: &str = "HOROVOD_ELASTIC";
+/// Seconds a worker waits in a rendezvous round before giving up (Horovod's elastic timeout).
+pub const ENV_ELASTIC_TIMEOUT: &str = "HOROVOD_ELASTIC_TIMEOUT";

@@ -11,4 +11,6 @@ mod msg;
 
 pub use assign::{AssignError, HostSlots, SlotInfo, assign_static};
 pub use env::*;
-pub use msg::{DriverMsg, MAX_LINE, ProtocolError, WorkerMsg, decode_line, encode_line};
+pub use msg::{
+    DriverMsg, HostsUpdate, MAX_LINE, Placement, ProtocolError, WorkerMsg, decode_line, encode_line,
+};

@@ -9,12 +9,13 @@ pub const MAX_LINE: usize = 1 << 20;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum WorkerMsg {
-    /// Joins the rendezvous: the worker listens for its peers at `addr`.
+    /// Opens the worker's connection: it listens for its peers at `addr`. In a static job this
+    /// is also its request to join the (only) round.
     Register {
         /// The job's secret.
         secret: String,
-        /// The rank the launcher gave this worker.
-        rank: usize,
+        /// The id the launcher gave this worker (`HVD_WORKER_ID`; the rank in a static job).
+        worker: u64,
         /// `ip:port` of the worker's collective listener.
         addr: String,
         /// The host the worker runs on, as the launcher named it.
@@ -22,27 +23,90 @@ pub enum WorkerMsg {
         /// The worker's process id, for the driver's log.
         pid: u32,
     },
+    /// Asks to join the next rendezvous round (elastic jobs): after a collective failed, or
+    /// after the driver announced a host change.
+    Join {
+        /// The job's secret.
+        secret: String,
+        /// The worker's id.
+        worker: u64,
+        /// The last round this worker was part of.
+        generation: u64,
+        /// Why it asks, for the driver's log.
+        reason: String,
+    },
     /// The worker is leaving cleanly (`hvd::shutdown`).
     Goodbye {
         /// The job's secret.
         secret: String,
-        /// The worker's rank.
-        rank: usize,
+        /// The worker's id.
+        worker: u64,
     },
+}
+
+impl WorkerMsg {
+    /// The secret the message carries.
+    pub fn secret(&self) -> &str {
+        match self {
+            Self::Register { secret, .. }
+            | Self::Join { secret, .. }
+            | Self::Goodbye { secret, .. } => secret,
+        }
+    }
+}
+
+/// A worker's place in one round: the six numbers Horovod gives every process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// Global rank.
+    pub rank: usize,
+    /// Number of workers.
+    pub size: usize,
+    /// Rank among the workers on this host.
+    pub local_rank: usize,
+    /// Number of workers on this host.
+    pub local_size: usize,
+    /// Index of this host among the hosts that have a worker of this local rank.
+    pub cross_rank: usize,
+    /// Number of hosts that have a worker of this local rank.
+    pub cross_size: usize,
+}
+
+/// A host change the driver announces to every live worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostsUpdate {
+    /// Increases by one with every announcement of the job; never reused.
+    pub update_id: u64,
+    /// Milliseconds since the Unix epoch when the driver saw the change.
+    pub timestamp_ms: u64,
+    /// Hosts (or slots) that joined.
+    pub added: Vec<String>,
+    /// Hosts (or slots) that left.
+    pub removed: Vec<String>,
 }
 
 /// What the driver sends a worker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum DriverMsg {
-    /// Every rank has registered: here is where each one listens.
+    /// The round is complete: this worker's place and where every rank listens.
     World {
         /// The rendezvous round; peers from other rounds refuse each other.
         generation: u64,
+        /// This worker's ranks in the round.
+        placement: Placement,
         /// `peers[r]` is rank `r`'s listener address.
         peers: Vec<String>,
         /// `hosts[r]` is rank `r`'s host.
         hosts: Vec<String>,
+    },
+    /// Hosts were added or removed; the worker joins the next round at its next check.
+    HostsUpdated(HostsUpdate),
+    /// The worker has no place in the job any more (its host left, or the job shrank); it
+    /// leaves and exits 0.
+    Removed {
+        /// Why.
+        reason: String,
     },
     /// The registration was refused; the worker reports `reason` and fails.
     Refused {
@@ -85,7 +149,7 @@ mod tests {
     fn round_trip() {
         let m = WorkerMsg::Register {
             secret: "s".into(),
-            rank: 3,
+            worker: 3,
             addr: "127.0.0.3:5000".into(),
             host: "127.0.0.3".into(),
             pid: 42,
@@ -95,6 +159,14 @@ mod tests {
         assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), m);
         let w = DriverMsg::World {
             generation: 1,
+            placement: Placement {
+                rank: 0,
+                size: 1,
+                local_rank: 0,
+                local_size: 1,
+                cross_rank: 0,
+                cross_size: 1,
+            },
             peers: vec!["a:1".into()],
             hosts: vec!["a".into()],
         };

@@ -4,21 +4,39 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use hvd_rendezvous::{DriverMsg, MAX_LINE, WorkerMsg, decode_line, encode_line};
+use hvd_rendezvous::{DriverMsg, MAX_LINE, Placement, WorkerMsg, decode_line, encode_line};
 
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 
-/// The rank table the driver sent.
+/// A completed round, as the driver sent it.
 #[derive(Debug, Clone)]
 pub(crate) struct World {
     pub generation: u64,
+    pub placement: Placement,
     pub peers: Vec<SocketAddr>,
     pub hosts: Vec<String>,
+}
+
+/// The answer to a registration or a join.
+#[derive(Debug)]
+pub(crate) enum Round {
+    /// This worker's place in the new round.
+    World(World),
+    /// This worker has no place in the job any more.
+    Removed(String),
+}
+
+/// What the reader thread has seen of host changes.
+#[derive(Debug, Default)]
+pub(crate) struct Inbox {
+    /// The highest `update_id` announced so far (0: none).
+    pub latest_update: AtomicU64,
 }
 
 /// An open rendezvous connection.
@@ -26,8 +44,12 @@ pub(crate) struct World {
 pub(crate) struct Client {
     stream: TcpStream,
     leaving: Arc<AtomicBool>,
+    rounds: mpsc::Receiver<DriverMsg>,
+    pub inbox: Arc<Inbox>,
     secret: String,
-    rank: usize,
+    worker: u64,
+    addr: String,
+    round_timeout: Duration,
 }
 
 /// Binds this worker's collective listener where the launcher said.
@@ -82,11 +104,10 @@ fn interface_ip(name: &str) -> std::result::Result<IpAddr, String> {
 }
 
 impl Client {
-    /// Registers with the driver and waits for the rank table.
-    pub(crate) fn register(l: &Launch, advertised: &str) -> Result<(Self, World)> {
-        let addr = l.rendezvous.clone();
+    /// Registers with the driver and waits for the first round.
+    pub(crate) fn register(l: &Launch, advertised: &str) -> Result<(Self, Round)> {
         let fail = |detail: String| Error::Rendezvous {
-            addr: addr.clone(),
+            addr: l.rendezvous.clone(),
             detail,
         };
         let target = l
@@ -100,70 +121,122 @@ impl Client {
         stream.set_nodelay(true).map_err(|e| fail(e.to_string()))?;
         let hello = WorkerMsg::Register {
             secret: l.secret.clone(),
-            rank: l.rank,
+            worker: l.worker,
             addr: advertised.to_string(),
             host: l.hostname.clone(),
             pid: std::process::id(),
         };
         let line = encode_line(&hello).map_err(|e| fail(e.to_string()))?;
         stream.write_all(&line).map_err(|e| fail(e.to_string()))?;
-        stream
-            .set_read_timeout(Some(l.start_timeout))
-            .map_err(|e| fail(e.to_string()))?;
-        let started = Instant::now();
-        let mut reader = BufReader::new(stream.try_clone().map_err(|e| fail(e.to_string()))?);
-        let mut buf = Vec::new();
-        let n = read_line(&mut reader, &mut buf)
-            .map_err(|e| fail(format!("no rank table after {:?}: {e}", started.elapsed())))?;
-        if n == 0 {
-            return Err(fail(
-                "the driver closed the connection before sending the rank table".into(),
-            ));
+        let reader = BufReader::new(stream.try_clone().map_err(|e| fail(e.to_string()))?);
+        let leaving = Arc::new(AtomicBool::new(false));
+        let inbox = Arc::new(Inbox::default());
+        let (tx, rounds) = mpsc::channel();
+        spawn_reader(
+            reader,
+            Arc::clone(&leaving),
+            Arc::clone(&inbox),
+            tx,
+            l.worker,
+        );
+        let mut client = Self {
+            stream,
+            leaving,
+            rounds,
+            inbox,
+            secret: l.secret.clone(),
+            worker: l.worker,
+            addr: l.rendezvous.clone(),
+            round_timeout: if l.elastic {
+                l.elastic_timeout + l.start_timeout
+            } else {
+                l.start_timeout
+            },
+        };
+        let round = client.wait_round()?;
+        Ok((client, round))
+    }
+
+    /// Asks the driver for a place in the next round and waits for the answer.
+    pub(crate) fn join(&mut self, generation: u64, reason: &str) -> Result<Round> {
+        let msg = WorkerMsg::Join {
+            secret: self.secret.clone(),
+            worker: self.worker,
+            generation,
+            reason: reason.to_string(),
+        };
+        let line = encode_line(&msg).map_err(|e| self.fail(e.to_string()))?;
+        self.stream
+            .write_all(&line)
+            .map_err(|e| self.fail(format!("asking to join: {e}")))?;
+        self.wait_round()
+    }
+
+    fn fail(&self, detail: String) -> Error {
+        Error::Rendezvous {
+            addr: self.addr.clone(),
+            detail,
         }
-        let world = match decode_line::<DriverMsg>(&buf).map_err(|e| fail(e.to_string()))? {
+    }
+
+    fn wait_round(&mut self) -> Result<Round> {
+        let started = Instant::now();
+        let msg = match self.rounds.recv_timeout(self.round_timeout) {
+            Ok(m) => m,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                return Err(self.fail(format!(
+                    "no rank table after {:.1}s",
+                    started.elapsed().as_secs_f64()
+                )));
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(self.fail(
+                    "the driver closed the connection before sending the rank table".into(),
+                ));
+            }
+        };
+        match msg {
             DriverMsg::World {
                 generation,
+                placement,
                 peers,
                 hosts,
             } => {
-                if peers.len() != l.size || hosts.len() != l.size {
-                    return Err(fail(format!(
-                        "rank table has {} entries for a world of {}",
+                let p = placement;
+                if peers.len() != p.size
+                    || hosts.len() != p.size
+                    || p.rank >= p.size
+                    || p.local_rank >= p.local_size
+                    || p.cross_rank >= p.cross_size
+                {
+                    return Err(self.fail(format!(
+                        "inconsistent rank table: {p:?} with {} peers and {} hosts",
                         peers.len(),
-                        l.size
+                        hosts.len()
                     )));
                 }
                 let peers = peers
                     .iter()
-                    .map(|p| {
-                        p.to_socket_addrs()
+                    .map(|a| {
+                        a.to_socket_addrs()
                             .ok()
-                            .and_then(|mut a| a.next())
-                            .ok_or_else(|| fail(format!("peer address '{p}' does not resolve")))
+                            .and_then(|mut it| it.next())
+                            .ok_or_else(|| {
+                                self.fail(format!("peer address '{a}' does not resolve"))
+                            })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                World {
+                Ok(Round::World(World {
                     generation,
+                    placement,
                     peers,
                     hosts,
-                }
+                }))
             }
-            DriverMsg::Refused { reason } => return Err(fail(format!("refused: {reason}"))),
-        };
-        stream
-            .set_read_timeout(None)
-            .map_err(|e| fail(e.to_string()))?;
-        let leaving = Arc::new(AtomicBool::new(false));
-        spawn_watchdog(reader, Arc::clone(&leaving), l.rank);
-        Ok((
-            Self {
-                stream,
-                leaving,
-                secret: l.secret.clone(),
-                rank: l.rank,
-            },
-            world,
-        ))
+            DriverMsg::Removed { reason } => Ok(Round::Removed(reason)),
+            DriverMsg::Refused { reason } => Err(self.fail(format!("refused: {reason}"))),
+            DriverMsg::HostsUpdated(_) => Err(self.fail("unexpected host update".into())),
+        }
     }
 
     /// Tells the driver this worker is leaving cleanly and closes the connection.
@@ -171,7 +244,7 @@ impl Client {
         self.leaving.store(true, Ordering::SeqCst);
         let msg = WorkerMsg::Goodbye {
             secret: self.secret.clone(),
-            rank: self.rank,
+            worker: self.worker,
         };
         if let Ok(line) = encode_line(&msg) {
             // The driver may already be gone at exit; nothing is lost then.
@@ -187,10 +260,17 @@ fn read_line(r: &mut BufReader<TcpStream>, buf: &mut Vec<u8>) -> std::io::Result
     Ok(n)
 }
 
-/// Watches the driver connection. If it closes while this worker has not said goodbye, the
-/// driver is gone (killed, or the job is over) and this worker exits: a worker must never be
-/// left behind by its launcher.
-fn spawn_watchdog(mut reader: BufReader<TcpStream>, leaving: Arc<AtomicBool>, rank: usize) {
+/// Reads the driver connection: rank tables and removals go to `rounds`, host changes to the
+/// inbox. If the connection closes while this worker has not said goodbye, the driver is gone
+/// (killed, or the job is over) and this worker exits: a worker must never be left behind by
+/// its launcher.
+fn spawn_reader(
+    mut reader: BufReader<TcpStream>,
+    leaving: Arc<AtomicBool>,
+    inbox: Arc<Inbox>,
+    rounds: mpsc::Sender<DriverMsg>,
+    worker: u64,
+) {
     let spawned = thread::Builder::new()
         .name("hvd-driver-watch".into())
         .spawn(move || {
@@ -199,7 +279,14 @@ fn spawn_watchdog(mut reader: BufReader<TcpStream>, leaving: Arc<AtomicBool>, ra
                 match read_line(&mut reader, &mut buf) {
                     Ok(0) | Err(_) => break,
                     Ok(_) => match decode_line::<DriverMsg>(&buf) {
-                        Ok(msg) => tracing::debug!(?msg, "message from driver"),
+                        Ok(DriverMsg::HostsUpdated(u)) => {
+                            tracing::debug!(update = ?u, "hosts updated");
+                            inbox.latest_update.fetch_max(u.update_id, Ordering::SeqCst);
+                        }
+                        Ok(msg) => {
+                            // The receiver is gone only while the process is exiting.
+                            let _ = rounds.send(msg);
+                        }
                         Err(e) => tracing::warn!(error = %e, "unreadable message from driver"),
                     },
                 }
@@ -212,13 +299,13 @@ fn spawn_watchdog(mut reader: BufReader<TcpStream>, leaving: Arc<AtomicBool>, ra
                     // the exit (eprintln! would panic this thread and leave the worker behind).
                     let _ = writeln!(
                         std::io::stderr(),
-                        "hvd: rank {rank} lost its connection to the driver (horovodrun); exiting"
+                        "hvd: worker {worker} lost its connection to the driver (horovodrun); exiting"
                     );
                     std::process::exit(1);
                 }
             }
         });
     if let Err(e) = spawned {
-        tracing::warn!(error = %e, "could not start the driver watchdog");
+        tracing::warn!(error = %e, "could not start the driver connection reader");
     }
 }

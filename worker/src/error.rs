@@ -30,6 +30,49 @@ pub enum Error {
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// The driver has no place for this worker any more (its host left the job, or the job
+    /// shrank). The worker should exit 0.
+    #[error("this worker was removed from the job: {reason}")]
+    Removed {
+        /// The driver's reason.
+        reason: String,
+    },
+    /// A collective was called while the worker was between rounds of an elastic job; call
+    /// collectives inside `hvd::elastic::run`.
+    #[error(
+        "the job's membership is changing: collectives must be called inside hvd::elastic::run"
+    )]
+    MembershipChanging,
+    /// The driver announced a host change; raised by `State::check_host_updates` so that
+    /// `hvd::elastic::run` moves every rank to the next round at the same step.
+    #[error("hosts were added or removed (update {update_id}); the job moves to a new round")]
+    HostsUpdated {
+        /// The newest announced update.
+        update_id: u64,
+    },
+    /// An elastic call in a process that no elastic launcher started.
+    #[error("not an elastic job: run it under horovodrun with --min-np or --host-discovery-script")]
+    NotElastic,
+    /// Encoding or decoding the state to synchronize failed.
+    #[error("state synchronization: {0}")]
+    State(String),
+}
+
+impl Error {
+    /// Whether `hvd::elastic::run` recovers from this error by restoring the last commit and
+    /// joining a new round: a peer failed, hung or went away mid-collective.
+    pub fn is_recoverable(&self) -> bool {
+        match self {
+            Self::Comm(e) => !matches!(
+                e,
+                CommError::Mismatch { .. }
+                    | CommError::InvalidArgument { .. }
+                    | CommError::RemoteInvalid { .. }
+            ),
+            Self::MembershipChanging => true,
+            _ => false,
+        }
+    }
 }
 
 /// Result of an `hvd` call.

@@ -60,6 +60,12 @@ pub struct Launch {
     pub arrival_timeout: Duration,
     /// How long the rendezvous may take.
     pub start_timeout: Duration,
+    /// The driver's id for this worker process (the rank, in a static job).
+    pub worker: u64,
+    /// Whether the job is elastic (`HOROVOD_ELASTIC=1`).
+    pub elastic: bool,
+    /// How long a round may wait for enough hosts (`HOROVOD_ELASTIC_TIMEOUT`).
+    pub elastic_timeout: Duration,
 }
 
 fn required(env: &dyn Env, var: &'static str) -> Result<String> {
@@ -126,6 +132,17 @@ impl Launch {
             progress_timeout: seconds(env, rv::ENV_COLLECTIVE_TIMEOUT, 5.0)?,
             arrival_timeout: seconds(env, rv::ENV_ARRIVAL_TIMEOUT, 300.0)?,
             start_timeout: seconds(env, rv::ENV_START_TIMEOUT, 30.0)?,
+            worker: 0,
+            elastic: env.var(rv::ENV_ELASTIC).is_some_and(|v| v.trim() == "1"),
+            elastic_timeout: seconds(env, rv::ENV_ELASTIC_TIMEOUT, 600.0)?,
+        };
+        let mut l = l;
+        l.worker = match env.var(rv::ENV_WORKER_ID) {
+            Some(v) => v.trim().parse().map_err(|_| Error::Env {
+                var: rv::ENV_WORKER_ID,
+                detail: format!("'{v}' is not a non-negative integer"),
+            })?,
+            None => l.rank as u64,
         };
         let check = |ok: bool, var: &'static str, what: String| {
             if ok {

@@ -25,6 +25,7 @@ mod client;
 mod error;
 mod launch;
 
+use std::net::TcpListener;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -33,6 +34,8 @@ pub use hvd_collectives::{
     AbortHandle, CommError, Communicator, DType, Element, ReduceOp, bf16, f16,
 };
 pub use launch::{Env, Launch, ProcessEnv};
+
+use hvd_rendezvous::Placement;
 
 /// This process's place in the job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,10 +56,41 @@ pub struct Topology {
     pub homogeneous: bool,
 }
 
+impl Topology {
+    fn new(p: Placement, hosts: &[String]) -> Self {
+        let mut per_host: Vec<(&str, usize)> = Vec::new();
+        for h in hosts {
+            match per_host.iter_mut().find(|(name, _)| name == h) {
+                Some((_, k)) => *k += 1,
+                None => per_host.push((h, 1)),
+            }
+        }
+        Self {
+            rank: p.rank,
+            size: p.size,
+            local_rank: p.local_rank,
+            local_size: p.local_size,
+            cross_rank: p.cross_rank,
+            cross_size: p.cross_size,
+            homogeneous: per_host.windows(2).all(|w| w[0].1 == w[1].1),
+        }
+    }
+}
+
+/// The connection to the driver and what a new round needs.
+struct Session {
+    launch: Launch,
+    listener: TcpListener,
+    client: client::Client,
+    generation: u64,
+}
+
 struct Context {
     topology: Topology,
-    comm: Communicator,
-    client: Option<client::Client>,
+    /// `None` while a membership change is in progress.
+    comm: Option<Communicator>,
+    /// `None` for a world of one started without a launcher.
+    session: Option<Session>,
 }
 
 static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
@@ -71,8 +105,8 @@ fn context() -> MutexGuard<'static, Option<Context>> {
 ///
 /// # Errors
 /// [`Error::AlreadyInitialized`]; [`Error::Env`] for a missing or malformed variable;
-/// [`Error::Rendezvous`] when the driver can't be reached or refuses; [`Error::Comm`] when the
-/// peers can't be connected.
+/// [`Error::Rendezvous`] when the driver can't be reached or refuses; [`Error::Removed`] when
+/// the driver has no place for this worker; [`Error::Comm`] when the peers can't be connected.
 pub fn init() -> Result<()> {
     init_from(&ProcessEnv)
 }
@@ -88,51 +122,100 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
     }
     let Some(launch) = Launch::from_env(env)? else {
         *ctx = Some(Context {
-            topology: Topology {
-                rank: 0,
-                size: 1,
-                local_rank: 0,
-                local_size: 1,
-                cross_rank: 0,
-                cross_size: 1,
-                homogeneous: true,
-            },
-            comm: Communicator::single(),
-            client: None,
+            topology: Topology::new(
+                Placement {
+                    rank: 0,
+                    size: 1,
+                    local_rank: 0,
+                    local_size: 1,
+                    cross_rank: 0,
+                    cross_size: 1,
+                },
+                &[],
+            ),
+            comm: Some(Communicator::single()),
+            session: None,
         });
         return Ok(());
     };
     let (listener, advertised) = client::bind_listener(&launch)?;
-    let (client, world) = client::Client::register(&launch, &advertised)?;
-    let mut cfg = hvd_collectives::CommConfig::new(launch.rank, launch.size, launch.secret.clone());
-    cfg.generation = world.generation;
-    cfg.progress_timeout = launch.progress_timeout;
-    cfg.arrival_timeout = launch.arrival_timeout;
-    cfg.connect_timeout = launch.start_timeout.max(Duration::from_secs(1));
-    let comm = Communicator::connect(cfg, &listener, &world.peers)?;
-    let mut per_host: Vec<(&str, usize)> = Vec::new();
-    for h in &world.hosts {
-        match per_host.iter_mut().find(|(name, _)| name == h) {
-            Some((_, k)) => *k += 1,
-            None => per_host.push((h, 1)),
-        }
-    }
-    let homogeneous = per_host.windows(2).all(|w| w[0].1 == w[1].1);
-    tracing::info!(rank = launch.rank, size = launch.size, host = %launch.hostname, "hvd initialized");
+    let (client, round) = client::Client::register(&launch, &advertised)?;
+    let mut session = Session {
+        launch,
+        listener,
+        client,
+        generation: 0,
+    };
+    let (topology, comm) = enter(&mut session, round)?;
     *ctx = Some(Context {
-        topology: Topology {
-            rank: launch.rank,
-            size: launch.size,
-            local_rank: launch.local_rank,
-            local_size: launch.local_size,
-            cross_rank: launch.cross_rank,
-            cross_size: launch.cross_size,
-            homogeneous,
-        },
-        comm,
-        client: Some(client),
+        topology,
+        comm: Some(comm),
+        session: Some(session),
     });
     Ok(())
+}
+
+/// Connects the world of a completed round.
+fn enter(session: &mut Session, round: client::Round) -> Result<(Topology, Communicator)> {
+    let world = match round {
+        client::Round::World(w) => w,
+        client::Round::Removed(reason) => return Err(Error::Removed { reason }),
+    };
+    let l = &session.launch;
+    let p = world.placement;
+    let mut cfg = hvd_collectives::CommConfig::new(p.rank, p.size, l.secret.clone());
+    cfg.generation = world.generation;
+    cfg.progress_timeout = l.progress_timeout;
+    cfg.arrival_timeout = l.arrival_timeout;
+    cfg.connect_timeout = l.start_timeout.max(Duration::from_secs(1));
+    session.generation = world.generation;
+    let comm = Communicator::connect(cfg, &session.listener, &world.peers)?;
+    tracing::info!(
+        rank = p.rank,
+        size = p.size,
+        generation = world.generation,
+        host = %l.hostname,
+        "hvd initialized"
+    );
+    Ok((Topology::new(p, &world.hosts), comm))
+}
+
+/// Leaves the current communicator and joins the driver's next round (elastic jobs). The
+/// context lock is not held while waiting, so collectives called meanwhile from other threads
+/// fail with [`Error::MembershipChanging`] instead of blocking.
+pub(crate) fn rejoin(reason: &str) -> Result<()> {
+    let mut session = {
+        let mut ctx = context();
+        let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
+        c.comm = None;
+        c.session.take().ok_or(Error::NotElastic)?
+    };
+    let result = session
+        .client
+        .join(session.generation, reason)
+        .and_then(|round| enter(&mut session, round));
+    let mut ctx = context();
+    let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
+    let generation = session.generation;
+    c.session = Some(session);
+    let (topology, comm) = result?;
+    c.topology = topology;
+    c.comm = Some(comm);
+    tracing::debug!(generation, "rejoined");
+    Ok(())
+}
+
+/// The highest host-update id the driver has announced to this worker (0: none).
+pub(crate) fn latest_update() -> u64 {
+    context()
+        .as_ref()
+        .and_then(|c| c.session.as_ref())
+        .map_or(0, |s| {
+            s.client
+                .inbox
+                .latest_update
+                .load(std::sync::atomic::Ordering::SeqCst)
+        })
 }
 
 /// Leaves the job cleanly: tells the driver, closes every connection. [`init`] may be called
@@ -142,8 +225,8 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
 /// [`Error::NotInitialized`].
 pub fn shutdown() -> Result<()> {
     let ctx = context().take().ok_or(Error::NotInitialized)?;
-    if let Some(client) = ctx.client {
-        client.goodbye();
+    if let Some(session) = ctx.session {
+        session.client.goodbye();
     }
     Ok(())
 }
@@ -208,7 +291,8 @@ pub fn with_communicator<R>(
 ) -> Result<R> {
     let mut ctx = context();
     let ctx = ctx.as_mut().ok_or(Error::NotInitialized)?;
-    Ok(f(&mut ctx.comm)?)
+    let comm = ctx.comm.as_mut().ok_or(Error::MembershipChanging)?;
+    Ok(f(comm)?)
 }
 
 /// Reduces `buf` across all ranks in place. See [`Communicator::allreduce`].

@@ -1,0 +1,1107 @@
+//! The elastic driver's deterministic core: events in, actions out, no sockets, clocks or
+//! processes. The I/O around it (discovery polls, worker processes, rendezvous connections)
+//! feeds it [`Input`]s stamped with the time since the job started and carries out the
+//! [`Action`]s it returns. Everything the job decides is decided here, so it can be tested
+//! and simulated at any scale without starting a process.
+//!
+//! A worker process is a slot `(host, local_rank)` with a driver-given id that never changes.
+//! A round assigns ranks over the available hosts in the order they first joined (new hosts
+//! after old ones, ties broken by name), so rank 0 is always a worker of the previous round
+//! and holds its newest committed state.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use hvd_discovery::{Blacklist, CooldownRange, HostSpec};
+use hvd_rendezvous::{HostSlots, Placement, SlotInfo, assign_static};
+
+/// A worker process's driver-given id.
+pub type WorkerId = u64;
+
+/// The job's elastic parameters.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Slots needed before training starts (`-np`).
+    pub np: usize,
+    /// Fewest workers training may continue with (`--min-np`).
+    pub min_np: usize,
+    /// Most workers started (`--max-np`).
+    pub max_np: usize,
+    /// How long the job waits for enough slots before failing (`--elastic-timeout`).
+    pub elastic_timeout: Duration,
+    /// How long a worker has to register or join a round before it is declared failed.
+    pub round_timeout: Duration,
+    /// Resets allowed before the job fails (`--reset-limit`); `None` is unlimited.
+    pub reset_limit: Option<usize>,
+    /// Blacklist cooldown (`--blacklist-cooldown-range`); `None` blacklists for good.
+    pub cooldown: Option<CooldownRange>,
+    /// Seed of the jitter added to cooldowns.
+    pub seed: u64,
+}
+
+/// How a worker process ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitInfo {
+    /// Exit code 0.
+    pub success: bool,
+    /// "exited with code 3", "was killed by signal 9".
+    pub description: String,
+}
+
+/// What happened, as the I/O around the core saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Input {
+    /// A discovery poll succeeded with this host set.
+    Discovered(Vec<HostSpec>),
+    /// A discovery poll failed.
+    DiscoveryFailed(String),
+    /// A worker opened its rendezvous connection.
+    Registered(WorkerId),
+    /// A worker asks to join the next round.
+    Joined {
+        /// The worker.
+        worker: WorkerId,
+        /// Why, in its words.
+        reason: String,
+    },
+    /// A worker process ended.
+    Exited {
+        /// The worker.
+        worker: WorkerId,
+        /// How.
+        exit: ExitInfo,
+    },
+    /// Time passed.
+    Tick,
+}
+
+/// What the I/O around the core must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Start worker `worker` on `host` in slot `local_rank`.
+    Start {
+        /// Its id.
+        worker: WorkerId,
+        /// Where.
+        host: String,
+    },
+    /// Stop a worker (SIGTERM, then SIGKILL): it failed or hangs.
+    Stop {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// Tell a worker it has no place in the job any more; it exits by itself.
+    Remove {
+        /// The worker.
+        worker: WorkerId,
+        /// Why.
+        reason: String,
+    },
+    /// Send a member of a completed round its place and the rank table.
+    World {
+        /// The member.
+        worker: WorkerId,
+        /// The round.
+        generation: u64,
+        /// Its place.
+        placement: Placement,
+        /// Members by rank.
+        members: Vec<WorkerId>,
+        /// Hosts by rank.
+        hosts: Vec<String>,
+    },
+    /// Announce a host change to these live workers.
+    Notify {
+        /// Who.
+        workers: Vec<WorkerId>,
+        /// Monotonic id of the announcement.
+        update_id: u64,
+        /// Hosts that joined.
+        added: Vec<String>,
+        /// Hosts that left.
+        removed: Vec<String>,
+    },
+    /// The job is over: stop everything, print `message`, exit with `code`.
+    Finish {
+        /// Process exit code of `horovodrun`.
+        code: u8,
+        /// What a person reads.
+        message: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Spawned; no rendezvous connection yet.
+    Starting,
+    /// Connected and waiting for a rank table.
+    Ready,
+    /// Training as a member of round `generation`.
+    Running,
+    /// Exited 0 after training.
+    Finished,
+    /// Stopped or removed by the driver; its exit means nothing.
+    Leaving,
+    /// Gone.
+    Exited,
+}
+
+#[derive(Debug, Clone)]
+struct Worker {
+    host: String,
+    local_rank: usize,
+    phase: Phase,
+    /// When it must be ready, if it is awaited.
+    due: Option<Duration>,
+}
+
+impl Worker {
+    fn live(&self) -> bool {
+        matches!(self.phase, Phase::Starting | Phase::Ready | Phase::Running)
+    }
+}
+
+/// The elastic driver's state. Feed it with [`Core::handle`].
+#[derive(Debug)]
+pub struct Core {
+    cfg: Config,
+    rng: u64,
+    /// The last good discovery result.
+    discovered: BTreeMap<String, usize>,
+    have_hosts: bool,
+    /// Available hosts in the order they first joined.
+    order: Vec<String>,
+    blacklist: Blacklist,
+    workers: BTreeMap<WorkerId, Worker>,
+    next_worker: WorkerId,
+    /// Round number of the last completed round (0: none yet).
+    generation: u64,
+    resets: usize,
+    /// Members of the last completed round, by rank.
+    current: Vec<WorkerId>,
+    /// A new round is needed.
+    pending: bool,
+    /// When the job began waiting for enough slots.
+    waiting_since: Option<Duration>,
+    /// The last host assignment announced, so each change is announced once.
+    announced: Option<Vec<(String, usize)>>,
+    next_update: u64,
+    /// Hosts as of the last announcement, to name what was added and removed.
+    announced_hosts: BTreeSet<String>,
+    finished: bool,
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Core {
+    /// A job that has started nothing yet.
+    pub fn new(cfg: Config) -> Self {
+        Self {
+            rng: cfg.seed,
+            blacklist: Blacklist::new(cfg.cooldown),
+            cfg,
+            discovered: BTreeMap::new(),
+            have_hosts: false,
+            order: Vec::new(),
+            workers: BTreeMap::new(),
+            next_worker: 0,
+            generation: 0,
+            resets: 0,
+            current: Vec::new(),
+            pending: true,
+            waiting_since: Some(Duration::ZERO),
+            announced: None,
+            next_update: 1,
+            announced_hosts: BTreeSet::new(),
+            finished: false,
+        }
+    }
+
+    /// Whether the job is over.
+    pub fn finished(&self) -> bool {
+        self.finished
+    }
+
+    /// The number of the last completed round.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Live workers of the job.
+    pub fn live_workers(&self) -> Vec<WorkerId> {
+        self.workers
+            .iter()
+            .filter(|(_, w)| w.live())
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// The earliest time at which [`Input::Tick`] may change something.
+    pub fn next_deadline(&self) -> Option<Duration> {
+        let dues = self
+            .workers
+            .values()
+            .filter(|w| w.live())
+            .filter_map(|w| w.due);
+        let wait = self.waiting_since.map(|t| t + self.cfg.elastic_timeout);
+        dues.chain(wait).chain(self.blacklist.next_expiry()).min()
+    }
+
+    /// Takes one input at time `now` (since the job began) and returns what to do.
+    pub fn handle(&mut self, now: Duration, input: Input) -> Vec<Action> {
+        let mut out = Vec::new();
+        if self.finished {
+            return out;
+        }
+        match input {
+            Input::Discovered(hosts) => self.discovered(now, hosts),
+            Input::DiscoveryFailed(reason) => {
+                if self.have_hosts {
+                    tracing::warn!(%reason, "host discovery failed; keeping the last host set and retrying");
+                } else {
+                    self.finish(
+                        &mut out,
+                        1,
+                        format!("host discovery failed on its first run: {reason}"),
+                    );
+                    return out;
+                }
+            }
+            Input::Registered(id) => {
+                if let Some(w) = self.workers.get_mut(&id) {
+                    if w.phase == Phase::Starting {
+                        w.phase = Phase::Ready;
+                        w.due = None;
+                        tracing::debug!(worker = id, host = %w.host, "worker registered");
+                    }
+                }
+            }
+            Input::Joined { worker, reason } => self.joined(now, worker, &reason, &mut out),
+            Input::Exited { worker, exit } => self.exited(now, worker, &exit, &mut out),
+            Input::Tick => {}
+        }
+        self.step(now, &mut out);
+        out
+    }
+
+    fn jitter(&mut self) -> f64 {
+        (splitmix(&mut self.rng) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn finish(&mut self, out: &mut Vec<Action>, code: u8, message: String) {
+        self.finished = true;
+        out.push(Action::Finish { code, message });
+    }
+
+    fn available(&self, host: &str) -> bool {
+        self.discovered.get(host).is_some_and(|&s| s > 0) && self.order.iter().any(|h| h == host)
+    }
+
+    fn discovered(&mut self, now: Duration, hosts: Vec<HostSpec>) {
+        let new: BTreeMap<String, usize> = hosts.into_iter().map(|h| (h.host, h.slots)).collect();
+        if self.have_hosts && new == self.discovered {
+            return;
+        }
+        self.have_hosts = true;
+        for (h, s) in &new {
+            match self.discovered.get(h) {
+                None => tracing::info!(host = %h, slots = s, "host discovered"),
+                Some(old) if old != s => {
+                    tracing::info!(host = %h, from = old, to = s, "host changed its slots");
+                }
+                _ => {}
+            }
+        }
+        for h in self.discovered.keys().filter(|h| !new.contains_key(*h)) {
+            tracing::info!(host = %h, "host left discovery");
+        }
+        self.discovered = new;
+        self.order.retain(|h| self.discovered.contains_key(h));
+        self.append_new_hosts(now);
+    }
+
+    /// Appends discovered, non-blacklisted hosts missing from the order, by name.
+    fn append_new_hosts(&mut self, now: Duration) {
+        let fresh: Vec<String> = self
+            .discovered
+            .keys()
+            .filter(|h| !self.order.contains(h) && !self.blacklist.is_blacklisted(h, now))
+            .cloned()
+            .collect();
+        self.order.extend(fresh);
+    }
+
+    fn joined(&mut self, now: Duration, id: WorkerId, reason: &str, out: &mut Vec<Action>) {
+        let Some(w) = self.workers.get_mut(&id) else {
+            return;
+        };
+        match w.phase {
+            Phase::Running | Phase::Starting | Phase::Ready => {
+                tracing::info!(worker = id, host = %w.host, %reason, "worker asks for a new round");
+                w.phase = Phase::Ready;
+                w.due = None;
+            }
+            Phase::Finished | Phase::Leaving | Phase::Exited => return,
+        }
+        if !self.pending {
+            self.pending = true;
+        }
+        // Every member must now join soon; one that doesn't is declared failed.
+        let due = now + self.cfg.round_timeout;
+        for m in &self.current {
+            if let Some(w) = self.workers.get_mut(m) {
+                if w.phase == Phase::Running && w.due.is_none() {
+                    w.due = Some(due);
+                }
+            }
+        }
+        if self.current.iter().any(|m| {
+            self.workers
+                .get(m)
+                .is_some_and(|w| w.phase == Phase::Finished)
+        }) {
+            let msg = format!(
+                "worker {id} on {} asked for a new round after other workers had finished \
+                 training and exited 0; the job can't both succeed and recover",
+                self.workers.get(&id).map_or("?", |w| w.host.as_str())
+            );
+            self.finish(out, 1, msg);
+        }
+    }
+
+    fn exited(&mut self, now: Duration, id: WorkerId, exit: &ExitInfo, out: &mut Vec<Action>) {
+        let Some(w) = self.workers.get_mut(&id) else {
+            return;
+        };
+        let phase = w.phase;
+        let host = w.host.clone();
+        w.phase = if phase == Phase::Running && exit.success {
+            Phase::Finished
+        } else {
+            Phase::Exited
+        };
+        w.due = None;
+        match phase {
+            Phase::Leaving | Phase::Exited | Phase::Finished => {
+                tracing::debug!(worker = id, %host, exit = %exit.description, "worker left");
+            }
+            Phase::Running if exit.success => {
+                tracing::info!(worker = id, %host, "worker finished training and exited 0");
+                if self.pending {
+                    let msg = format!(
+                        "worker {id} on {host} exited 0 while the job was recovering from a \
+                         failure; not counted as success"
+                    );
+                    self.finish(out, 1, msg);
+                }
+            }
+            Phase::Starting | Phase::Ready | Phase::Running => {
+                let finishing = self.current.iter().any(|m| {
+                    self.workers
+                        .get(m)
+                        .is_some_and(|w| w.phase == Phase::Finished)
+                });
+                if finishing {
+                    let msg = format!(
+                        "worker {id} on {host} {} after other workers had finished; the job failed",
+                        exit.description
+                    );
+                    self.finish(out, 1, msg);
+                    return;
+                }
+                tracing::warn!(worker = id, %host, exit = %exit.description, "worker failed");
+                self.host_failed(now, &host, out);
+            }
+        }
+    }
+
+    /// Blacklists `host` and stops its other workers: a host whose worker failed is not trusted.
+    fn host_failed(&mut self, now: Duration, host: &str, out: &mut Vec<Action>) {
+        let jitter = self.jitter();
+        if let Some(b) = self.blacklist.blacklist(host, now, jitter) {
+            match b.until {
+                Some(until) => tracing::warn!(
+                    host,
+                    failures = b.failures,
+                    cooldown_s = format!("{:.1}", (until.saturating_sub(now)).as_secs_f64()),
+                    "host blacklisted"
+                ),
+                None => tracing::warn!(host, failures = b.failures, "host blacklisted for good"),
+            }
+        }
+        self.order.retain(|h| h != host);
+        for (id, w) in &mut self.workers {
+            if w.host == host && w.live() {
+                w.phase = Phase::Leaving;
+                w.due = None;
+                out.push(Action::Stop { worker: *id });
+            }
+        }
+        self.pending = true;
+    }
+
+    /// The assignment the available hosts give now; `None` below `--min-np`.
+    fn target(&self) -> Option<Vec<SlotInfo>> {
+        let hosts: Vec<HostSlots> = self
+            .order
+            .iter()
+            .filter(|h| self.available(h))
+            .map(|h| HostSlots {
+                host: h.clone(),
+                slots: self.discovered.get(h).copied().unwrap_or(0),
+            })
+            .collect();
+        let total: usize = hosts.iter().map(|h| h.slots).sum();
+        let need = if self.generation == 0 {
+            self.cfg.np
+        } else {
+            self.cfg.min_np
+        };
+        if total < need.max(1) {
+            return None;
+        }
+        assign_static(&hosts, total.min(self.cfg.max_np)).ok()
+    }
+
+    fn slots_of(t: &[SlotInfo]) -> Vec<(String, usize)> {
+        t.iter().map(|s| (s.host.clone(), s.local_rank)).collect()
+    }
+
+    fn worker_at(&self, host: &str, local_rank: usize) -> Option<WorkerId> {
+        self.workers
+            .iter()
+            .find(|(_, w)| w.live() && w.host == host && w.local_rank == local_rank)
+            .map(|(id, _)| *id)
+    }
+
+    fn start(&mut self, now: Duration, host: &str, local_rank: usize, out: &mut Vec<Action>) {
+        let id = self.next_worker;
+        self.next_worker += 1;
+        self.workers.insert(
+            id,
+            Worker {
+                host: host.to_string(),
+                local_rank,
+                phase: Phase::Starting,
+                due: Some(now + self.cfg.round_timeout),
+            },
+        );
+        out.push(Action::Start {
+            worker: id,
+            host: host.to_string(),
+        });
+    }
+
+    fn slots_available(&self) -> usize {
+        self.order
+            .iter()
+            .filter(|h| self.available(h))
+            .map(|h| self.discovered.get(h).copied().unwrap_or(0))
+            .sum()
+    }
+
+    fn step(&mut self, now: Duration, out: &mut Vec<Action>) {
+        for r in self.blacklist.expire(now) {
+            tracing::info!(host = %r.host, failures = r.failures, "host's blacklist cooldown is over; it may rejoin");
+        }
+        self.append_new_hosts(now);
+        self.expire_dues(now, out);
+        if self.finished {
+            return;
+        }
+        if self.pending {
+            self.plan(now, out);
+        } else {
+            self.prepare_change(now, out);
+        }
+    }
+
+    /// Declares failed every awaited worker that is late.
+    fn expire_dues(&mut self, now: Duration, out: &mut Vec<Action>) {
+        let late: Vec<(WorkerId, String, Phase)> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.live() && w.due.is_some_and(|d| d <= now))
+            .map(|(id, w)| (*id, w.host.clone(), w.phase))
+            .collect();
+        for (id, host, phase) in late {
+            let what = if phase == Phase::Starting {
+                "did not register"
+            } else {
+                "did not join the round"
+            };
+            tracing::warn!(
+                worker = id,
+                %host,
+                timeout_s = self.cfg.round_timeout.as_secs_f64(),
+                "worker {what} in time; declared failed"
+            );
+            if let Some(w) = self.workers.get_mut(&id) {
+                w.phase = Phase::Leaving;
+                w.due = None;
+            }
+            out.push(Action::Stop { worker: id });
+            self.host_failed(now, &host, out);
+        }
+    }
+
+    /// Plans or re-plans the pending round, and completes it once every member is ready.
+    fn plan(&mut self, now: Duration, out: &mut Vec<Action>) {
+        let Some(target) = self.target() else {
+            let since = *self.waiting_since.get_or_insert(now);
+            let need = if self.generation == 0 {
+                self.cfg.np
+            } else {
+                self.cfg.min_np
+            };
+            if now.saturating_sub(since) >= self.cfg.elastic_timeout {
+                let msg = format!(
+                    "timed out after {:.0}s waiting for enough slots: {} available, {} needed \
+                     (--elastic-timeout / HOROVOD_ELASTIC_TIMEOUT)",
+                    self.cfg.elastic_timeout.as_secs_f64(),
+                    self.slots_available(),
+                    need
+                );
+                self.finish(out, 1, msg);
+            }
+            return;
+        };
+        if self.waiting_since.take().is_some() && self.generation > 0 {
+            tracing::info!(slots = self.slots_available(), "enough slots again");
+        }
+        let mut members = Vec::with_capacity(target.len());
+        for s in &target {
+            match self.worker_at(&s.host, s.local_rank) {
+                Some(id) => members.push(id),
+                None => {
+                    self.start(now, &s.host, s.local_rank, out);
+                    members.push(self.next_worker - 1);
+                }
+            }
+        }
+        if self.generation > 0 && !members.iter().any(|m| self.current.contains(m)) {
+            self.finish(
+                out,
+                1,
+                "no worker of the previous round survives: the committed state is lost".into(),
+            );
+            return;
+        }
+        // Live workers outside the round leave it.
+        let outside: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(id, w)| w.live() && !members.contains(id))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in outside {
+            if let Some(w) = self.workers.get_mut(&id) {
+                w.phase = Phase::Leaving;
+                w.due = None;
+                tracing::info!(worker = id, host = %w.host, "worker has no place in the next round");
+            }
+            out.push(Action::Remove {
+                worker: id,
+                reason: "its host left the job or the job shrank".into(),
+            });
+        }
+        if !members
+            .iter()
+            .all(|m| self.workers.get(m).is_some_and(|w| w.phase == Phase::Ready))
+        {
+            return;
+        }
+        // Complete.
+        if self.generation > 0 {
+            self.resets += 1;
+            if let Some(limit) = self.cfg.reset_limit.filter(|&l| self.resets > l) {
+                let msg = format!(
+                    "the job was reset {} times, more than --reset-limit {limit}",
+                    self.resets
+                );
+                self.finish(out, 1, msg);
+                return;
+            }
+        }
+        self.generation += 1;
+        self.pending = false;
+        let hosts: Vec<String> = target.iter().map(|s| s.host.clone()).collect();
+        for (s, &id) in target.iter().zip(&members) {
+            if let Some(w) = self.workers.get_mut(&id) {
+                w.phase = Phase::Running;
+                w.due = None;
+            }
+            out.push(Action::World {
+                worker: id,
+                generation: self.generation,
+                placement: s.placement(),
+                members: members.clone(),
+                hosts: hosts.clone(),
+            });
+        }
+        self.current = members;
+        self.announced = Some(Self::slots_of(&target));
+        self.announced_hosts = hosts.into_iter().collect();
+        tracing::info!(
+            round = self.generation,
+            size = target.len(),
+            hosts = %self.announced_hosts.iter().cloned().collect::<Vec<_>>().join(","),
+            "round complete; training at the new size"
+        );
+    }
+
+    /// Outside a round: when the host set's assignment changed, starts the workers new slots
+    /// need and, once they are all connected, tells the running workers to move.
+    fn prepare_change(&mut self, now: Duration, out: &mut Vec<Action>) {
+        if self.generation == 0 {
+            return;
+        }
+        let target = self.target();
+        let slots = target.as_deref().map(Self::slots_of);
+        if slots == self.announced {
+            return;
+        }
+        if let Some(t) = &target {
+            let mut all_ready = true;
+            for s in t {
+                match self.worker_at(&s.host, s.local_rank) {
+                    Some(id) => {
+                        if self
+                            .workers
+                            .get(&id)
+                            .is_some_and(|w| w.phase == Phase::Starting)
+                        {
+                            all_ready = false;
+                        }
+                    }
+                    None => {
+                        self.start(now, &s.host, s.local_rank, out);
+                        all_ready = false;
+                    }
+                }
+            }
+            if !all_ready {
+                return;
+            }
+        }
+        let hosts: BTreeSet<String> = target.iter().flatten().map(|s| s.host.clone()).collect();
+        let added: Vec<String> = hosts.difference(&self.announced_hosts).cloned().collect();
+        let removed: Vec<String> = self.announced_hosts.difference(&hosts).cloned().collect();
+        let workers: Vec<WorkerId> = self
+            .current
+            .iter()
+            .copied()
+            .filter(|m| {
+                self.workers
+                    .get(m)
+                    .is_some_and(|w| w.phase == Phase::Running)
+            })
+            .collect();
+        let update_id = self.next_update;
+        self.next_update += 1;
+        tracing::info!(
+            update_id,
+            added = %added.join(","),
+            removed = %removed.join(","),
+            "hosts changed; asking the workers to move to a new round"
+        );
+        self.announced = slots;
+        self.announced_hosts = hosts;
+        out.push(Action::Notify {
+            workers,
+            update_id,
+            added,
+            removed,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(np: usize, min_np: usize, max_np: usize) -> Config {
+        Config {
+            np,
+            min_np,
+            max_np,
+            elastic_timeout: Duration::from_secs(600),
+            round_timeout: Duration::from_secs(30),
+            reset_limit: None,
+            cooldown: None,
+            seed: 7,
+        }
+    }
+
+    fn hosts(spec: &[(&str, usize)]) -> Input {
+        Input::Discovered(
+            spec.iter()
+                .map(|(h, s)| HostSpec {
+                    host: (*h).into(),
+                    slots: *s,
+                })
+                .collect(),
+        )
+    }
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    fn started(actions: &[Action]) -> Vec<(WorkerId, String)> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Start { worker, host } => Some((*worker, host.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn worlds(actions: &[Action]) -> Vec<(WorkerId, usize, usize)> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::World {
+                    worker, placement, ..
+                } => Some((*worker, placement.rank, placement.size)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn ok() -> ExitInfo {
+        ExitInfo {
+            success: true,
+            description: "exited with code 0".into(),
+        }
+    }
+
+    fn killed() -> ExitInfo {
+        ExitInfo {
+            success: false,
+            description: "was killed by signal 9".into(),
+        }
+    }
+
+    /// Starts a job on `spec` and registers every worker; returns the core and the ids.
+    fn running(c: Config, spec: &[(&str, usize)]) -> (Core, Vec<WorkerId>) {
+        let mut core = Core::new(c);
+        let a = core.handle(secs(0), hosts(spec));
+        let ids: Vec<WorkerId> = started(&a).into_iter().map(|(w, _)| w).collect();
+        let mut last = Vec::new();
+        for &id in &ids {
+            last = core.handle(secs(1), Input::Registered(id));
+        }
+        assert_eq!(worlds(&last).len(), ids.len(), "{last:?}");
+        (core, ids)
+    }
+
+    #[test]
+    fn first_round_waits_for_np_then_starts_every_slot_up_to_max() {
+        let mut core = Core::new(cfg(4, 2, 5));
+        assert!(core.handle(secs(0), hosts(&[("a", 2)])).is_empty());
+        let a = core.handle(secs(1), hosts(&[("a", 2), ("b", 2), ("c", 2)]));
+        let s = started(&a);
+        assert_eq!(s.len(), 5, "max-np caps the workers started: {a:?}");
+        assert_eq!(s.iter().filter(|(_, h)| h == "c").count(), 1);
+        for (id, _) in &s[..4] {
+            assert!(worlds(&core.handle(secs(2), Input::Registered(*id))).is_empty());
+        }
+        let w = worlds(&core.handle(secs(2), Input::Registered(s[4].0)));
+        assert_eq!(
+            w,
+            vec![(0, 0, 5), (1, 1, 5), (2, 2, 5), (3, 3, 5), (4, 4, 5)]
+        );
+    }
+
+    #[test]
+    fn failure_blacklists_the_host_and_reranks_survivors_oldest_first() {
+        let (mut core, ids) = running(cfg(4, 2, 4), &[("a", 2), ("b", 2)]);
+        let a = core.handle(
+            secs(5),
+            Input::Exited {
+                worker: ids[0],
+                exit: killed(),
+            },
+        );
+        assert_eq!(
+            a,
+            vec![Action::Stop { worker: ids[1] }],
+            "a's other worker is stopped"
+        );
+        assert!(
+            core.handle(
+                secs(5),
+                Input::Joined {
+                    worker: ids[2],
+                    reason: "peer lost".into()
+                }
+            )
+            .is_empty()
+        );
+        let w = worlds(&core.handle(
+            secs(5),
+            Input::Joined {
+                worker: ids[3],
+                reason: "x".into(),
+            },
+        ));
+        assert_eq!(w, vec![(ids[2], 0, 2), (ids[3], 1, 2)]);
+        assert_eq!(core.generation(), 2);
+    }
+
+    #[test]
+    fn added_hosts_get_workers_before_the_old_ones_are_interrupted() {
+        let (mut core, ids) = running(cfg(2, 2, 8), &[("a", 2)]);
+        let a = core.handle(secs(3), hosts(&[("a", 2), ("c", 1), ("b", 1)]));
+        let s = started(&a);
+        assert_eq!(
+            s.iter().map(|(_, h)| h.as_str()).collect::<Vec<_>>(),
+            vec!["b", "c"],
+            "ties by name"
+        );
+        assert!(
+            !a.iter().any(|x| matches!(x, Action::Notify { .. })),
+            "no interrupt before they connect"
+        );
+        core.handle(secs(3), Input::Registered(s[0].0));
+        let a = core.handle(secs(3), Input::Registered(s[1].0));
+        assert_eq!(
+            a,
+            vec![Action::Notify {
+                workers: ids.clone(),
+                update_id: 1,
+                added: vec!["b".into(), "c".into()],
+                removed: vec![]
+            }]
+        );
+        core.handle(
+            secs(4),
+            Input::Joined {
+                worker: ids[0],
+                reason: "hosts updated".into(),
+            },
+        );
+        let w = worlds(&core.handle(
+            secs(4),
+            Input::Joined {
+                worker: ids[1],
+                reason: "hosts updated".into(),
+            },
+        ));
+        assert_eq!(
+            w,
+            vec![
+                (ids[0], 0, 4),
+                (ids[1], 1, 4),
+                (s[0].0, 2, 4),
+                (s[1].0, 3, 4)
+            ]
+        );
+    }
+
+    #[test]
+    fn removed_host_workers_are_released_and_survivors_keep_order() {
+        let (mut core, ids) = running(cfg(2, 1, 4), &[("a", 1), ("b", 1), ("c", 1)]);
+        let a = core.handle(secs(3), hosts(&[("a", 1), ("c", 1)]));
+        assert!(
+            matches!(&a[..], [Action::Notify { removed, .. }] if removed == &vec!["b".to_string()])
+        );
+        let first = core.handle(
+            secs(3),
+            Input::Joined {
+                worker: ids[0],
+                reason: "u".into(),
+            },
+        );
+        assert!(first.contains(&Action::Remove {
+            worker: ids[1],
+            reason: "its host left the job or the job shrank".into()
+        }));
+        let a = core.handle(
+            secs(3),
+            Input::Joined {
+                worker: ids[2],
+                reason: "u".into(),
+            },
+        );
+        assert_eq!(worlds(&a), vec![(ids[0], 0, 2), (ids[2], 1, 2)]);
+        // The removed worker's exit, whatever its code, is not a failure.
+        assert!(
+            core.handle(
+                secs(4),
+                Input::Exited {
+                    worker: ids[1],
+                    exit: killed()
+                }
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_worker_that_never_joins_is_declared_failed_and_the_round_reruns() {
+        let (mut core, ids) = running(cfg(3, 2, 3), &[("a", 1), ("b", 1), ("c", 1)]);
+        core.handle(
+            secs(10),
+            Input::Joined {
+                worker: ids[0],
+                reason: "timeout".into(),
+            },
+        );
+        core.handle(
+            secs(10),
+            Input::Joined {
+                worker: ids[2],
+                reason: "timeout".into(),
+            },
+        );
+        assert_eq!(core.next_deadline(), Some(secs(40)));
+        assert!(core.handle(secs(39), Input::Tick).is_empty());
+        let a = core.handle(secs(40), Input::Tick);
+        assert!(a.contains(&Action::Stop { worker: ids[1] }));
+        assert_eq!(worlds(&a), vec![(ids[0], 0, 2), (ids[2], 1, 2)]);
+    }
+
+    #[test]
+    fn a_new_worker_that_never_registers_does_not_disturb_the_old_ones() {
+        let (mut core, ids) = running(cfg(2, 2, 3), &[("a", 2)]);
+        let s = started(&core.handle(secs(3), hosts(&[("a", 2), ("b", 1)])));
+        let a = core.handle(secs(33), Input::Tick);
+        assert_eq!(a, vec![Action::Stop { worker: s[0].0 }]);
+        assert!(worlds(&a).is_empty());
+        // b is blacklisted for good: nothing more happens, the old workers train on.
+        assert!(
+            core.handle(secs(40), hosts(&[("a", 2), ("b", 1)]))
+                .is_empty()
+        );
+        assert_eq!(core.live_workers(), ids);
+    }
+
+    #[test]
+    fn below_min_np_waits_then_times_out_with_counts() {
+        let mut c = cfg(2, 2, 2);
+        c.elastic_timeout = secs(60);
+        let (mut core, ids) = running(c, &[("a", 1), ("b", 1)]);
+        core.handle(
+            secs(5),
+            Input::Exited {
+                worker: ids[1],
+                exit: killed(),
+            },
+        );
+        assert!(
+            core.handle(
+                secs(5),
+                Input::Joined {
+                    worker: ids[0],
+                    reason: "peer lost".into()
+                }
+            )
+            .is_empty()
+        );
+        let a = core.handle(secs(65), Input::Tick);
+        match &a[..] {
+            [Action::Finish { code: 1, message }] => {
+                assert!(message.contains("1 available, 2 needed"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn cooldown_lets_a_host_back() {
+        let mut c = cfg(2, 1, 2);
+        c.cooldown = Some(CooldownRange::new(secs(10), secs(100)).unwrap());
+        let (mut core, ids) = running(c, &[("a", 1), ("b", 1)]);
+        core.handle(
+            secs(5),
+            Input::Exited {
+                worker: ids[1],
+                exit: killed(),
+            },
+        );
+        let w = worlds(&core.handle(
+            secs(5),
+            Input::Joined {
+                worker: ids[0],
+                reason: "x".into(),
+            },
+        ));
+        assert_eq!(w, vec![(ids[0], 0, 1)]);
+        assert!(started(&core.handle(secs(14), Input::Tick)).is_empty());
+        let a = core.handle(secs(30), Input::Tick);
+        let s = started(&a);
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[0].1, "b");
+    }
+
+    #[test]
+    fn reset_limit_and_success() {
+        let mut c = cfg(2, 1, 2);
+        c.reset_limit = Some(0);
+        let (mut core, ids) = running(c.clone(), &[("a", 1), ("b", 1)]);
+        core.handle(
+            secs(5),
+            Input::Exited {
+                worker: ids[1],
+                exit: killed(),
+            },
+        );
+        let a = core.handle(
+            secs(5),
+            Input::Joined {
+                worker: ids[0],
+                reason: "x".into(),
+            },
+        );
+        assert!(
+            matches!(&a[..], [Action::Finish { code: 1, message }] if message.contains("--reset-limit 0")),
+            "{a:?}"
+        );
+
+        let (mut core, ids) = running(c, &[("a", 1), ("b", 1)]);
+        assert!(
+            core.handle(
+                secs(5),
+                Input::Exited {
+                    worker: ids[0],
+                    exit: ok()
+                }
+            )
+            .is_empty()
+        );
+        let a = core.handle(
+            secs(5),
+            Input::Exited {
+                worker: ids[1],
+                exit: killed(),
+            },
+        );
+        assert!(
+            matches!(&a[..], [Action::Finish { code: 1, .. }]),
+            "a failure after another finished is not success: {a:?}"
+        );
+    }
+
+    #[test]
+    fn first_discovery_failure_fails_the_job_later_ones_do_not() {
+        let mut core = Core::new(cfg(1, 1, 1));
+        let a = core.handle(secs(0), Input::DiscoveryFailed("exit 3".into()));
+        assert!(
+            matches!(&a[..], [Action::Finish { code: 1, message }] if message.contains("exit 3"))
+        );
+        let (mut core, _) = running(cfg(1, 1, 1), &[("a", 1)]);
+        assert!(
+            core.handle(secs(5), Input::DiscoveryFailed("exit 3".into()))
+                .is_empty()
+        );
+    }
+}

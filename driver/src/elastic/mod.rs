@@ -1,0 +1,3 @@
+//! Elastic mode: the deterministic core and the I/O that drives it.
+
+pub mod core;
