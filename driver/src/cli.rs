@@ -44,6 +44,52 @@ pub struct Args {
     #[arg(long = "network-interface", value_name = "IFACE")]
     pub network_interface: Option<String>,
 
+    /// Elastic: fewest workers training continues with (defaults to -np). Turns elastic mode on.
+    #[arg(long = "min-np", alias = "min-num-proc", value_name = "N")]
+    pub min_np: Option<usize>,
+
+    /// Elastic: most workers started (defaults to -np).
+    #[arg(long = "max-np", alias = "max-num-proc", value_name = "N")]
+    pub max_np: Option<usize>,
+
+    /// Elastic: a script printing the available hosts, one `host[:slots]` a line. Turns
+    /// elastic mode on.
+    #[arg(long = "host-discovery-script", value_name = "SCRIPT", conflicts_with_all = ["hosts", "hostfile"])]
+    pub discovery_script: Option<String>,
+
+    /// Elastic: slots of a host the discovery script prints without `:slots`.
+    #[arg(long = "slots", alias = "slots-per-host", value_name = "S")]
+    pub slots: Option<usize>,
+
+    /// Elastic: a failed host comes back after LO seconds, doubling with each failure up to HI
+    /// (plus jitter). Without it, failed hosts are blacklisted for good.
+    #[arg(long = "blacklist-cooldown-range", num_args = 2, value_names = ["LO", "HI"])]
+    pub cooldown_range: Option<Vec<f64>>,
+
+    /// Elastic: seconds to wait for enough slots (env HOROVOD_ELASTIC_TIMEOUT, default 600).
+    #[arg(long = "elastic-timeout", value_name = "SECS")]
+    pub elastic_timeout: Option<f64>,
+
+    /// Elastic: more resets than this fail the job (default unlimited).
+    #[arg(long = "reset-limit", value_name = "K")]
+    pub reset_limit: Option<usize>,
+
+    /// Elastic: seconds between discovery script runs.
+    #[arg(
+        long = "discovery-interval",
+        value_name = "SECS",
+        default_value_t = 1.0
+    )]
+    pub discovery_interval: f64,
+
+    /// Elastic: a discovery script running longer than this is killed and counts as failed.
+    #[arg(
+        long = "discovery-timeout",
+        value_name = "SECS",
+        default_value_t = 30.0
+    )]
+    pub discovery_timeout: f64,
+
     /// The training program and its arguments.
     #[arg(required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -63,7 +109,21 @@ const VALUE_FLAGS: &[&str] = &[
     "--output-filename",
     "--start-timeout",
     "--network-interface",
+    "--min-np",
+    "--min-num-proc",
+    "--max-np",
+    "--max-num-proc",
+    "--host-discovery-script",
+    "--slots",
+    "--slots-per-host",
+    "--elastic-timeout",
+    "--reset-limit",
+    "--discovery-interval",
+    "--discovery-timeout",
 ];
+
+/// Flags that take two values.
+const PAIR_FLAGS: &[&str] = &["--blacklist-cooldown-range"];
 
 /// Rewrites Horovod's single-dash long flag `-np` into the form the parser knows. The rewrite
 /// stops where the training command starts, so `./train -np 3` reaches the program untouched.
@@ -81,9 +141,15 @@ pub fn normalize<I: IntoIterator<Item = String>>(argv: I) -> Vec<String> {
             out.push(a);
             break;
         } else {
-            let takes_value = VALUE_FLAGS.contains(&a.as_str());
+            let values = if VALUE_FLAGS.contains(&a.as_str()) {
+                1
+            } else if PAIR_FLAGS.contains(&a.as_str()) {
+                2
+            } else {
+                0
+            };
             out.push(a);
-            if takes_value {
+            for _ in 0..values {
                 out.extend(it.next());
             }
         }
@@ -126,6 +192,39 @@ mod tests {
         assert_eq!(parse(&["-np=2", "x"]).unwrap().np, Some(2));
         let a = parse(&["-H", "a", "-np", "1", "./train", "-np", "3"]).unwrap();
         assert_eq!(a.command, vec!["./train", "-np", "3"]);
+    }
+
+    #[test]
+    fn elastic_flags() {
+        let a = parse(&[
+            "-np",
+            "2",
+            "--min-np",
+            "1",
+            "--max-np",
+            "4",
+            "--host-discovery-script",
+            "./d.sh",
+            "--slots-per-host",
+            "2",
+            "--blacklist-cooldown-range",
+            "1",
+            "10",
+            "--reset-limit",
+            "3",
+            "./train",
+            "--steps",
+            "5",
+        ])
+        .unwrap();
+        assert_eq!(
+            (a.min_np, a.max_np, a.slots, a.reset_limit),
+            (Some(1), Some(4), Some(2), Some(3))
+        );
+        assert_eq!(a.cooldown_range, Some(vec![1.0, 10.0]));
+        assert_eq!(a.discovery_script.as_deref(), Some("./d.sh"));
+        assert_eq!(a.command, vec!["./train", "--steps", "5"]);
+        assert!(parse(&["-H", "a", "--host-discovery-script", "d", "x"]).is_err());
     }
 
     #[test]

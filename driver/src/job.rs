@@ -422,6 +422,7 @@ fn send_world(slots: &[SlotInfo], regs: &[Option<Registration>]) {
                 placement: slot.placement(),
                 peers: peers.clone(),
                 hosts: hosts.clone(),
+                updates_through: 0,
             });
         }
     }

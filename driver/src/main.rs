@@ -34,6 +34,9 @@ fn main() -> ExitCode {
         }
     };
     init_tracing(args.verbose);
+    if args.discovery_script.is_some() || args.min_np.is_some_and(|n| n > 0) {
+        return elastic_main(&args);
+    }
     let spec = match plan(&args) {
         Ok(s) => s,
         Err(e) => {
@@ -41,16 +44,8 @@ fn main() -> ExitCode {
             return ExitCode::from(EX_USAGE);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("horovodrun: error: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+    let Some(runtime) = runtime() else {
+        return ExitCode::FAILURE;
     };
     let np = spec.slots.len();
     match runtime.block_on(job::run(spec)) {
@@ -60,6 +55,154 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn runtime() -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => Some(r),
+        Err(e) => {
+            eprintln!("horovodrun: error: cannot start the runtime: {e}");
+            None
+        }
+    }
+}
+
+fn elastic_main(args: &cli::Args) -> ExitCode {
+    let spec = match plan_elastic(args) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("horovodrun: error: {e:#}");
+            return ExitCode::from(EX_USAGE);
+        }
+    };
+    let Some(runtime) = runtime() else {
+        return ExitCode::FAILURE;
+    };
+    match runtime.block_on(elastic::run::run(spec)) {
+        Ok(end) if end.code == 0 => {
+            tracing::info!("job succeeded: {}", end.message);
+            ExitCode::SUCCESS
+        }
+        Ok(end) => {
+            eprintln!("horovodrun: error: {}", end.message);
+            ExitCode::from(end.code)
+        }
+        Err(e) => {
+            eprintln!("horovodrun: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A duration in seconds from a flag, else an environment variable, else a default.
+fn seconds(flag: Option<f64>, name: &str, env: &str, default: f64) -> anyhow::Result<Duration> {
+    let v = match flag {
+        Some(s) => s,
+        None => match std::env::var(env) {
+            Ok(v) => v
+                .trim()
+                .parse()
+                .with_context(|| format!("{env}='{v}' is not a number"))?,
+            Err(_) => default,
+        },
+    };
+    if !(v.is_finite() && v > 0.0) {
+        bail!("{name} must be a positive number of seconds, not {v}");
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+/// Turns the flags of an elastic job into its spec; everything is checked before anything starts.
+fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
+    use hvd_discovery::{CooldownRange, ScriptDiscovery};
+    let np = args
+        .np
+        .or(args.min_np)
+        .context("elastic mode needs -np (the slots needed before training starts)")?;
+    let min_np = args.min_np.filter(|&n| n > 0).unwrap_or(np);
+    let max_np = args.max_np.unwrap_or(np);
+    if np == 0 || min_np > np || np > max_np {
+        bail!("elastic mode needs 1 <= --min-np ({min_np}) <= -np ({np}) <= --max-np ({max_np})");
+    }
+    let source = match (&args.discovery_script, &args.hosts, &args.hostfile) {
+        (Some(script), _, _) => {
+            let timeout = positive(args.discovery_timeout, "--discovery-timeout")?;
+            elastic::run::Source::Script(ScriptDiscovery::new(script.clone(), timeout, args.slots))
+        }
+        (None, Some(list), _) => elastic::run::Source::Fixed(parse_host_list(list)?),
+        (None, None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading hostfile {}", path.display()))?;
+            elastic::run::Source::Fixed(parse_hostfile(&path.display().to_string(), &text)?)
+        }
+        (None, None, None) => {
+            bail!("elastic mode needs --host-discovery-script, -H or --hostfile")
+        }
+    };
+    let cooldown = match args.cooldown_range.as_deref() {
+        None => None,
+        Some([lo, hi]) => {
+            let lo = positive(*lo, "--blacklist-cooldown-range LO")?;
+            let hi = positive(*hi, "--blacklist-cooldown-range HI")?;
+            Some(CooldownRange::new(lo, hi).context("--blacklist-cooldown-range")?)
+        }
+        Some(other) => bail!("--blacklist-cooldown-range takes two numbers, not {other:?}"),
+    };
+    let elastic_timeout = seconds(
+        args.elastic_timeout.filter(|&t| t != 0.0),
+        "--elastic-timeout",
+        hvd_rendezvous::ENV_ELASTIC_TIMEOUT,
+        600.0,
+    )?;
+    let start_timeout = seconds(
+        args.start_timeout,
+        "--start-timeout",
+        hvd_rendezvous::ENV_START_TIMEOUT,
+        30.0,
+    )?;
+    let own = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let rendezvous_host = match &args.network_interface {
+        Some(i) => interface_ip(i)?,
+        None => own,
+    };
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    tracing::info!(np, min_np, max_np, "elastic job");
+    Ok(elastic::run::ElasticSpec {
+        core: elastic::core::Config {
+            np,
+            min_np,
+            max_np,
+            elastic_timeout,
+            round_timeout: start_timeout,
+            reset_limit: args.reset_limit,
+            cooldown,
+            seed,
+        },
+        source,
+        interval: positive(args.discovery_interval, "--discovery-interval")?,
+        command: args.command.clone(),
+        ssh_port: args.ssh_port,
+        ssh_identity: args.ssh_identity_file.clone(),
+        output_dir: args.output_filename.clone(),
+        network_interface: args.network_interface.clone(),
+        rendezvous_host,
+        start_timeout,
+    })
+}
+
+fn positive(v: f64, name: &str) -> anyhow::Result<Duration> {
+    if !(v.is_finite() && v > 0.0) {
+        bail!("{name} must be a positive number of seconds, not {v}");
+    }
+    Ok(Duration::from_secs_f64(v))
 }
 
 fn init_tracing(verbose: bool) {
@@ -110,21 +253,13 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
         .iter()
         .map(|s| hosts::is_local(&s.host, &own))
         .collect();
-    let start_timeout = match args.start_timeout {
-        Some(s) => s,
-        None => match std::env::var(hvd_rendezvous::ENV_START_TIMEOUT) {
-            Ok(v) => v.trim().parse().with_context(|| {
-                format!(
-                    "{}='{v}' is not a number",
-                    hvd_rendezvous::ENV_START_TIMEOUT
-                )
-            })?,
-            Err(_) => 30.0,
-        },
-    };
-    if !(start_timeout.is_finite() && start_timeout > 0.0) {
-        bail!("--start-timeout must be a positive number of seconds, not {start_timeout}");
-    }
+    let start_timeout = seconds(
+        args.start_timeout,
+        "--start-timeout",
+        hvd_rendezvous::ENV_START_TIMEOUT,
+        30.0,
+    )?
+    .as_secs_f64();
     if let Some(i) = &args.ssh_identity_file {
         if !i.is_file() {
             bail!("--ssh-identity-file {}: no such file", i.display());

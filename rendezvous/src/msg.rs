@@ -99,6 +99,9 @@ pub enum DriverMsg {
         peers: Vec<String>,
         /// `hosts[r]` is rank `r`'s host.
         hosts: Vec<String>,
+        /// The newest host update this round already accounts for; older announcements
+        /// need no further round.
+        updates_through: u64,
     },
     /// Hosts were added or removed; the worker joins the next round at its next check.
     HostsUpdated(HostsUpdate),
@@ -169,6 +172,7 @@ mod tests {
             },
             peers: vec!["a:1".into()],
             hosts: vec!["a".into()],
+            updates_through: 0,
         };
         assert_eq!(
             decode_line::<DriverMsg>(&encode_line(&w).unwrap()).unwrap(),

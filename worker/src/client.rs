@@ -21,6 +21,7 @@ pub(crate) struct World {
     pub placement: Placement,
     pub peers: Vec<SocketAddr>,
     pub hosts: Vec<String>,
+    pub updates_through: u64,
 }
 
 /// The answer to a registration or a join.
@@ -201,6 +202,7 @@ impl Client {
                 placement,
                 peers,
                 hosts,
+                updates_through,
             } => {
                 let p = placement;
                 if peers.len() != p.size
@@ -231,6 +233,7 @@ impl Client {
                     placement,
                     peers,
                     hosts,
+                    updates_through,
                 }))
             }
             DriverMsg::Removed { reason } => Ok(Round::Removed(reason)),

@@ -117,13 +117,22 @@ impl Launch {
             }
             return Ok(None);
         };
+        let elastic = env.var(rv::ENV_ELASTIC).is_some_and(|v| v.trim() == "1");
+        // An elastic worker's ranks come from the driver at every round.
+        let number = |var: &'static str, default: usize| {
+            if elastic && env.var(var).is_none() {
+                Ok(default)
+            } else {
+                number(env, var)
+            }
+        };
         let l = Self {
-            rank: number(env, rv::ENV_RANK)?,
-            size: number(env, rv::ENV_SIZE)?,
-            local_rank: number(env, rv::ENV_LOCAL_RANK)?,
-            local_size: number(env, rv::ENV_LOCAL_SIZE)?,
-            cross_rank: number(env, rv::ENV_CROSS_RANK)?,
-            cross_size: number(env, rv::ENV_CROSS_SIZE)?,
+            rank: number(rv::ENV_RANK, 0)?,
+            size: number(rv::ENV_SIZE, 1)?,
+            local_rank: number(rv::ENV_LOCAL_RANK, 0)?,
+            local_size: number(rv::ENV_LOCAL_SIZE, 1)?,
+            cross_rank: number(rv::ENV_CROSS_RANK, 0)?,
+            cross_size: number(rv::ENV_CROSS_SIZE, 1)?,
             hostname: required(env, rv::ENV_HOSTNAME)?,
             rendezvous,
             secret: required(env, rv::ENV_SECRET)?,
@@ -133,7 +142,7 @@ impl Launch {
             arrival_timeout: seconds(env, rv::ENV_ARRIVAL_TIMEOUT, 300.0)?,
             start_timeout: seconds(env, rv::ENV_START_TIMEOUT, 30.0)?,
             worker: 0,
-            elastic: env.var(rv::ENV_ELASTIC).is_some_and(|v| v.trim() == "1"),
+            elastic,
             elastic_timeout: seconds(env, rv::ENV_ELASTIC_TIMEOUT, 600.0)?,
         };
         let mut l = l;

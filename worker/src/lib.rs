@@ -22,6 +22,7 @@
 //! - `lib.rs`: the process-wide context and the collective functions.
 
 mod client;
+pub mod elastic;
 mod error;
 mod launch;
 
@@ -83,6 +84,7 @@ struct Session {
     listener: TcpListener,
     client: client::Client,
     generation: u64,
+    updates_through: u64,
 }
 
 struct Context {
@@ -145,6 +147,7 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
         listener,
         client,
         generation: 0,
+        updates_through: 0,
     };
     let (topology, comm) = enter(&mut session, round)?;
     *ctx = Some(Context {
@@ -169,6 +172,7 @@ fn enter(session: &mut Session, round: client::Round) -> Result<(Topology, Commu
     cfg.arrival_timeout = l.arrival_timeout;
     cfg.connect_timeout = l.start_timeout.max(Duration::from_secs(1));
     session.generation = world.generation;
+    session.updates_through = world.updates_through;
     let comm = Communicator::connect(cfg, &session.listener, &world.peers)?;
     tracing::info!(
         rank = p.rank,
@@ -203,6 +207,14 @@ pub(crate) fn rejoin(reason: &str) -> Result<()> {
     c.comm = Some(comm);
     tracing::debug!(generation, "rejoined");
     Ok(())
+}
+
+/// The newest host update the current round accounts for.
+pub(crate) fn updates_through() -> u64 {
+    context()
+        .as_ref()
+        .and_then(|c| c.session.as_ref())
+        .map_or(0, |s| s.updates_through)
 }
 
 /// The highest host-update id the driver has announced to this worker (0: none).

@@ -109,6 +109,8 @@ pub enum Action {
         members: Vec<WorkerId>,
         /// Hosts by rank.
         hosts: Vec<String>,
+        /// The newest announcement this round accounts for.
+        updates_through: u64,
     },
     /// Announce a host change to these live workers.
     Notify {
@@ -399,6 +401,17 @@ impl Core {
                          failure; not counted as success"
                     );
                     self.finish(out, 1, msg);
+                } else if self.current.iter().all(|m| {
+                    self.workers
+                        .get(m)
+                        .is_some_and(|w| w.phase == Phase::Finished)
+                }) {
+                    let msg = format!(
+                        "all {} workers of round {} finished training and exited 0",
+                        self.current.len(),
+                        self.generation
+                    );
+                    self.finish(out, 0, msg);
                 }
             }
             Phase::Starting | Phase::Ready | Phase::Running => {
@@ -643,6 +656,7 @@ impl Core {
                 placement: s.placement(),
                 members: members.clone(),
                 hosts: hosts.clone(),
+                updates_through: self.next_update - 1,
             });
         }
         self.current = members;

@@ -1,3 +1,4 @@
 //! Elastic mode: the deterministic core and the I/O that drives it.
 
 pub mod core;
+pub mod run;

@@ -1,0 +1,370 @@
+//! The I/O around the elastic core: polls discovery, starts and stops worker processes,
+//! serves the rendezvous connections, and carries out the core's actions.
+
+use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::ExitStatus;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use hvd_discovery::{HostSpec, ScriptDiscovery};
+use hvd_rendezvous::{self as rv, DriverMsg, HostsUpdate};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
+use tokio::time::{Instant, sleep_until};
+
+use super::core::{Action, Config, Core, ExitInfo, Input, WorkerId};
+use crate::hosts;
+use crate::job::{Exit, Launcher, new_secret, stop_workers};
+use crate::rendezvous::{self, Registration, Wire};
+
+/// Where the hosts come from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// `--host-discovery-script`, run every interval.
+    Script(ScriptDiscovery),
+    /// `-H` or `--hostfile`: a fixed set that failures shrink and cooldowns restore.
+    Fixed(Vec<HostSpec>),
+}
+
+/// Everything an elastic job needs.
+#[derive(Debug, Clone)]
+pub struct ElasticSpec {
+    /// The core's parameters.
+    pub core: Config,
+    /// Host source.
+    pub source: Source,
+    /// Time between discovery polls.
+    pub interval: Duration,
+    /// The training command.
+    pub command: Vec<String>,
+    /// SSH port for remote hosts.
+    pub ssh_port: Option<u16>,
+    /// SSH identity for remote hosts.
+    pub ssh_identity: Option<PathBuf>,
+    /// Directory for per-worker log files.
+    pub output_dir: Option<PathBuf>,
+    /// Interface the workers bind to.
+    pub network_interface: Option<String>,
+    /// Address remote workers use to reach the driver (host part).
+    pub rendezvous_host: String,
+    /// How long a worker has to register (passed to workers as their connect timeout).
+    pub start_timeout: Duration,
+}
+
+/// How the job ended: the code `horovodrun` exits with and what it prints.
+#[derive(Debug)]
+pub struct Ending {
+    /// Exit code.
+    pub code: u8,
+    /// Message for the person who ran the job.
+    pub message: String,
+}
+
+fn describe(status: ExitStatus) -> ExitInfo {
+    let description = match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with code {c}"),
+        (None, Some(s)) => format!(
+            "was killed by signal {s} ({})",
+            Signal::try_from(s).map_or("?", Signal::as_str)
+        ),
+        _ => "ended abnormally".into(),
+    };
+    ExitInfo {
+        success: status.success(),
+        description,
+    }
+}
+
+struct Driver {
+    spec: ElasticSpec,
+    core: Core,
+    t0: Instant,
+    secret: String,
+    port: u16,
+    own_host: String,
+    launcher: Launcher,
+    pids: HashMap<WorkerId, i32>,
+    hosts_of: HashMap<WorkerId, String>,
+    regs: HashMap<WorkerId, Registration>,
+    relays: Vec<tokio::task::JoinHandle<()>>,
+    ending: Option<Ending>,
+}
+
+impl Driver {
+    fn now(&self) -> Duration {
+        self.t0.elapsed()
+    }
+
+    fn feed(&mut self, input: Input) {
+        let mut queue = vec![input];
+        while let Some(input) = queue.pop() {
+            let now = self.now();
+            for action in self.core.handle(now, input) {
+                if let Some(more) = self.apply(action) {
+                    queue.push(more);
+                }
+            }
+        }
+    }
+
+    fn worker_env(&self, id: WorkerId, host: &str, local: bool) -> Vec<(String, String)> {
+        let rendezvous = if local {
+            format!("127.0.0.1:{}", self.port)
+        } else {
+            format!("{}:{}", self.spec.rendezvous_host, self.port)
+        };
+        let mut env: Vec<(String, String)> = [
+            (rv::ENV_ELASTIC, "1".to_string()),
+            (rv::ENV_WORKER_ID, id.to_string()),
+            (rv::ENV_HOSTNAME, host.to_string()),
+            (rv::ENV_RENDEZVOUS_ADDR, rendezvous),
+            (rv::ENV_SECRET, self.secret.clone()),
+            (
+                rv::ENV_START_TIMEOUT,
+                self.spec.start_timeout.as_secs_f64().to_string(),
+            ),
+            (
+                rv::ENV_ELASTIC_TIMEOUT,
+                self.spec.core.elastic_timeout.as_secs_f64().to_string(),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        if local {
+            env.push((rv::ENV_BIND_ADDR.into(), hosts::local_bind_addr(host)));
+        }
+        if let Some(i) = &self.spec.network_interface {
+            env.push((rv::ENV_NETWORK_INTERFACE.into(), i.clone()));
+        }
+        env
+    }
+
+    /// Carries out one action; returns an input to feed back (a worker that could not start).
+    fn apply(&mut self, action: Action) -> Option<Input> {
+        match action {
+            Action::Start { worker, host } => {
+                let local = hosts::is_local(&host, &self.own_host);
+                let env = self.worker_env(worker, &host, local);
+                let log = self
+                    .spec
+                    .output_dir
+                    .as_ref()
+                    .map(|d| d.join(format!("worker.{worker}")));
+                self.hosts_of.insert(worker, host.clone());
+                match self
+                    .launcher
+                    .spawn(worker, &worker.to_string(), &host, local, env, log)
+                {
+                    Ok(s) => {
+                        tracing::info!(worker, %host, "worker started");
+                        if let Some(pid) = s.pid {
+                            self.pids.insert(worker, pid);
+                        }
+                        self.relays.extend(s.relays);
+                        None
+                    }
+                    Err(e) => Some(Input::Exited {
+                        worker,
+                        exit: ExitInfo {
+                            success: false,
+                            description: format!("could not be started: {e}"),
+                        },
+                    }),
+                }
+            }
+            Action::Stop { worker } => {
+                if let Some(&pid) = self.pids.get(&worker) {
+                    // A failed or hung worker: no grace (a stopped process ignores SIGTERM).
+                    if let Err(e) = killpg(Pid::from_raw(pid), Signal::SIGKILL) {
+                        tracing::debug!(worker, error = %e, "worker already gone");
+                    }
+                }
+                None
+            }
+            Action::Remove { worker, reason } => {
+                if let Some(r) = self.regs.get(&worker) {
+                    r.send(&DriverMsg::Removed { reason });
+                }
+                // A removed worker exits by itself; one that doesn't is stopped.
+                if let Some(&pid) = self.pids.get(&worker) {
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_secs(10)).await;
+                        let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+                    });
+                }
+                None
+            }
+            Action::World {
+                worker,
+                generation,
+                placement,
+                members,
+                hosts,
+                updates_through,
+            } => {
+                let peers: Vec<String> = members
+                    .iter()
+                    .map(|m| {
+                        self.regs
+                            .get(m)
+                            .map_or_else(String::new, |r| r.addr.clone())
+                    })
+                    .collect();
+                if let Some(r) = self.regs.get(&worker) {
+                    r.send(&DriverMsg::World {
+                        generation,
+                        placement,
+                        peers,
+                        hosts,
+                        updates_through,
+                    });
+                }
+                None
+            }
+            Action::Notify {
+                workers,
+                update_id,
+                added,
+                removed,
+            } => {
+                let timestamp_ms = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+                let msg = DriverMsg::HostsUpdated(HostsUpdate {
+                    update_id,
+                    timestamp_ms,
+                    added,
+                    removed,
+                });
+                for w in workers {
+                    if let Some(r) = self.regs.get(&w) {
+                        r.send(&msg);
+                    }
+                }
+                None
+            }
+            Action::Finish { code, message } => {
+                self.ending = Some(Ending { code, message });
+                None
+            }
+        }
+    }
+}
+
+/// Polls the host source forever, sending each result.
+async fn poll(source: Source, interval: Duration, tx: mpsc::Sender<Input>) {
+    loop {
+        let input = match &source {
+            Source::Fixed(h) => Input::Discovered(h.clone()),
+            Source::Script(s) => match s.discover().await {
+                Ok(h) => Input::Discovered(h),
+                Err(e) => Input::DiscoveryFailed(e.to_string()),
+            },
+        };
+        if tx.send(input).await.is_err() {
+            return;
+        }
+        if matches!(source, Source::Fixed(_)) {
+            return; // a fixed set never changes
+        }
+        tokio::time::sleep(interval).await;
+    }
+}
+
+/// Runs an elastic job to its end.
+///
+/// # Errors
+/// Failures of the driver itself (binding the rendezvous listener, installing signal handlers).
+pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
+    let secret = new_secret()?;
+    let listener = tokio::net::TcpListener::bind(("0.0.0.0", 0)).await?;
+    let port = listener.local_addr()?.port();
+    tracing::debug!(port, "rendezvous listening");
+    let (wire_tx, mut wire_rx) = mpsc::channel::<Wire>(256);
+    let server = tokio::spawn(rendezvous::serve(listener, secret.clone(), None, wire_tx));
+    let (disc_tx, mut disc_rx) = mpsc::channel::<Input>(4);
+    let poller = tokio::spawn(poll(spec.source.clone(), spec.interval, disc_tx));
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let (exit_tx, mut exit_rx) = mpsc::channel::<Exit>(256);
+    let launcher = Launcher {
+        command: spec.command.clone(),
+        ssh_port: spec.ssh_port,
+        ssh_identity: spec.ssh_identity.clone(),
+        cwd: std::env::current_dir()?,
+        exits: exit_tx,
+    };
+    let own_host = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut d = Driver {
+        core: Core::new(spec.core.clone()),
+        spec,
+        t0: Instant::now(),
+        secret,
+        port,
+        own_host,
+        launcher,
+        pids: HashMap::new(),
+        hosts_of: HashMap::new(),
+        regs: HashMap::new(),
+        relays: Vec::new(),
+        ending: None,
+    };
+    let mut interrupted = None;
+    while d.ending.is_none() && interrupted.is_none() {
+        let tick = d
+            .core
+            .next_deadline()
+            .map_or(d.t0 + Duration::from_secs(3600 * 24 * 365), |t| d.t0 + t);
+        tokio::select! {
+            Some(input) = disc_rx.recv() => d.feed(input),
+            Some(w) = wire_rx.recv() => match w {
+                Wire::Registered(reg) => {
+                    let id = reg.worker;
+                    if d.hosts_of.contains_key(&id) {
+                        tracing::debug!(worker = id, addr = %reg.addr, pid = reg.pid, "worker connected");
+                        d.regs.insert(id, reg);
+                        d.feed(Input::Registered(id));
+                    } else {
+                        reg.send(&DriverMsg::Refused { reason: format!("no worker {id} was started by this job") });
+                    }
+                }
+                Wire::Joined { worker, reason, .. } => d.feed(Input::Joined { worker, reason }),
+                Wire::Left { worker, clean } => {
+                    tracing::debug!(worker, clean, "worker connection closed");
+                }
+            },
+            Some(Exit { worker, status }) = exit_rx.recv() => {
+                d.pids.remove(&worker);
+                d.regs.remove(&worker);
+                d.feed(Input::Exited { worker, exit: describe(status) });
+            }
+            () = sleep_until(tick) => d.feed(Input::Tick),
+            _ = sigint.recv() => interrupted = Some(Signal::SIGINT),
+            _ = sigterm.recv() => interrupted = Some(Signal::SIGTERM),
+        }
+    }
+    poller.abort();
+    let targets: Vec<(u64, i32)> = d.pids.iter().map(|(w, p)| (*w, *p)).collect();
+    stop_workers(&targets, &mut exit_rx).await;
+    server.abort();
+    d.regs.clear();
+    for r in d.relays.drain(..) {
+        let _ = tokio::time::timeout(Duration::from_millis(500), r).await;
+    }
+    Ok(match interrupted {
+        Some(sig) => Ending {
+            code: 128 + sig as u8,
+            message: format!("interrupted by {sig}; all workers were stopped"),
+        },
+        None => d.ending.unwrap_or(Ending {
+            code: 1,
+            message: "the job ended without a result".into(),
+        }),
+    })
+}

@@ -1,0 +1,410 @@
+//! Elastic training: state that survives membership changes, and the loop that drives them.
+//!
+//! ```no_run
+//! use hvd::elastic::{Object, State};
+//! # #[derive(Clone, serde::Serialize, serde::Deserialize)] struct Progress { step: u64 }
+//! hvd::init()?;
+//! let mut state = State::new(Object(Progress { step: 0 }));
+//! hvd::elastic::run(&mut state, |state| {
+//!     while state.step < 100 {
+//!         // ... a training step with hvd collectives ...
+//!         state.step += 1;
+//!         state.commit()?;
+//!     }
+//!     Ok(())
+//! })?;
+//! # Ok::<(), hvd::Error>(())
+//! ```
+//!
+//! [`run`] synchronizes the state from the worker holding the newest commit before calling
+//! the training function. When a collective fails (a peer died or hung), every survivor
+//! restores its last commit, joins the driver's next round, synchronizes, runs the reset
+//! callbacks and calls the function again. When the driver announces a host change,
+//! [`State::commit`] or [`State::check_host_updates`] raises it on every rank at the same
+//! step; the ranks keep their current values (nothing is rolled back) and move to the new
+//! round the same way. Workers that join late always receive a sync.
+
+use std::ops::{Deref, DerefMut};
+
+use hvd_collectives::{Element, ReduceOp};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::{Error, Result, Topology};
+
+/// State that [`run`] can copy from one rank to all others.
+pub trait Syncable: Clone {
+    /// Replaces this value on every rank with `root`'s.
+    ///
+    /// # Errors
+    /// A collective error, or [`Error::State`] when the value can't be encoded.
+    fn broadcast_from(&mut self, root: usize) -> Result<()>;
+}
+
+/// Any serde value, synchronized as JSON. Dereferences to the value.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Object<T>(pub T);
+
+impl<T> Deref for Object<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> DerefMut for Object<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
+}
+
+/// Broadcasts a byte string of any length from `root`.
+fn broadcast_bytes(bytes: &mut Vec<u8>, root: usize) -> Result<()> {
+    let mut len = [i64::try_from(bytes.len()).map_err(|e| Error::State(e.to_string()))?];
+    crate::broadcast(&mut len, root)?;
+    let len = usize::try_from(len[0]).map_err(|e| Error::State(e.to_string()))?;
+    bytes.resize(len, 0);
+    crate::broadcast(bytes, root)
+}
+
+impl<T: Serialize + DeserializeOwned + Clone> Syncable for Object<T> {
+    fn broadcast_from(&mut self, root: usize) -> Result<()> {
+        let mut bytes = if crate::rank()? == root {
+            serde_json::to_vec(&self.0).map_err(|e| Error::State(e.to_string()))?
+        } else {
+            Vec::new()
+        };
+        broadcast_bytes(&mut bytes, root)?;
+        self.0 = serde_json::from_slice(&bytes).map_err(|e| Error::State(e.to_string()))?;
+        Ok(())
+    }
+}
+
+/// Numeric buffers (model parameters, optimizer moments) synchronized in place, with no
+/// serialization. Dereferences to the buffers.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Tensors<E>(pub Vec<Vec<E>>);
+
+impl<E> Deref for Tensors<E> {
+    type Target = Vec<Vec<E>>;
+    fn deref(&self) -> &Vec<Vec<E>> {
+        &self.0
+    }
+}
+
+impl<E> DerefMut for Tensors<E> {
+    fn deref_mut(&mut self) -> &mut Vec<Vec<E>> {
+        &mut self.0
+    }
+}
+
+impl<E: Element> Syncable for Tensors<E> {
+    fn broadcast_from(&mut self, root: usize) -> Result<()> {
+        // Shapes first: a new worker may not know them yet.
+        let mut shape: Vec<i64> = self.0.iter().map(|t| t.len() as i64).collect();
+        let mut n = [shape.len() as i64];
+        crate::broadcast(&mut n, root)?;
+        shape.resize(
+            usize::try_from(n[0]).map_err(|e| Error::State(e.to_string()))?,
+            0,
+        );
+        crate::broadcast(&mut shape, root)?;
+        self.0.resize_with(shape.len(), Vec::new);
+        for (t, &len) in self.0.iter_mut().zip(&shape) {
+            let len = usize::try_from(len).map_err(|e| Error::State(e.to_string()))?;
+            t.resize(len, bytemuck::Zeroable::zeroed());
+            crate::broadcast(t, root)?;
+        }
+        Ok(())
+    }
+}
+
+impl<A: Syncable, B: Syncable> Syncable for (A, B) {
+    fn broadcast_from(&mut self, root: usize) -> Result<()> {
+        self.0.broadcast_from(root)?;
+        self.1.broadcast_from(root)
+    }
+}
+
+type ResetCallback = Box<dyn FnMut(&Topology) + Send>;
+
+/// Training state with a last commit to fall back to. Dereferences to the current value.
+pub struct State<S: Syncable> {
+    value: S,
+    saved: S,
+    /// How many commits the saved value carries; the rank with the most is the sync source.
+    commits: u64,
+    /// The newest host update this worker has acted on.
+    handled_update: u64,
+    callbacks: Vec<ResetCallback>,
+}
+
+impl<S: Syncable + std::fmt::Debug> std::fmt::Debug for State<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State")
+            .field("value", &self.value)
+            .field("commits", &self.commits)
+            .field("handled_update", &self.handled_update)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Syncable> Deref for State<S> {
+    type Target = S;
+    fn deref(&self) -> &S {
+        &self.value
+    }
+}
+
+impl<S: Syncable> DerefMut for State<S> {
+    fn deref_mut(&mut self) -> &mut S {
+        &mut self.value
+    }
+}
+
+/// State of any serde value.
+pub type ObjectState<T> = State<Object<T>>;
+/// State of numeric buffers.
+pub type TensorState<E> = State<Tensors<E>>;
+
+impl<S: Syncable> State<S> {
+    /// State starting at `value`, which also counts as its first commit.
+    pub fn new(value: S) -> Self {
+        Self {
+            saved: value.clone(),
+            value,
+            commits: 0,
+            handled_update: 0,
+            callbacks: Vec::new(),
+        }
+    }
+
+    /// The value as of the last commit.
+    pub fn committed(&self) -> &S {
+        &self.saved
+    }
+
+    /// Saves the current value as the one to return to after a failure, then checks for
+    /// host updates.
+    ///
+    /// # Errors
+    /// [`Error::HostsUpdated`] (handled by [`run`]) or a collective error.
+    pub fn commit(&mut self) -> Result<()> {
+        self.save();
+        self.check_host_updates()
+    }
+
+    fn save(&mut self) {
+        self.saved = self.value.clone();
+        self.commits += 1;
+    }
+
+    /// Returns the current value to the last commit.
+    pub fn restore(&mut self) {
+        self.value = self.saved.clone();
+    }
+
+    /// Raises [`Error::HostsUpdated`] on every rank at once when the driver announced a host
+    /// change to any of them. A small collective (a max-allreduce of the newest update id), so
+    /// every rank must call it at the same point.
+    ///
+    /// # Errors
+    /// [`Error::HostsUpdated`] or a collective error.
+    pub fn check_host_updates(&mut self) -> Result<()> {
+        let mut newest = [crate::latest_update() as i64];
+        crate::allreduce(&mut newest, ReduceOp::Max)?;
+        let newest = newest[0].max(0) as u64;
+        if newest > self.handled_update {
+            self.handled_update = newest;
+            return Err(Error::HostsUpdated { update_id: newest });
+        }
+        Ok(())
+    }
+
+    /// Makes every rank hold the newest committed state: the value of the lowest rank among
+    /// those with the most commits is broadcast, and becomes everyone's last commit.
+    ///
+    /// # Errors
+    /// A collective error.
+    pub fn sync(&mut self) -> Result<()> {
+        let mine = [self.commits as i64];
+        let all = crate::allgather(&mine, 1)?;
+        let most = all.iter().copied().max().unwrap_or(0);
+        let root = all.iter().position(|&c| c == most).unwrap_or(0);
+        self.value.broadcast_from(root)?;
+        self.saved = self.value.clone();
+        self.commits = most.max(0) as u64;
+        // Announcements this round already accounts for need no further round.
+        self.handled_update = self.handled_update.max(crate::updates_through());
+        Ok(())
+    }
+
+    /// Adds a function called after every membership change, once the state is synchronized
+    /// and before training resumes, with the new topology (to rescale a learning rate, say).
+    pub fn register_reset_callbacks(&mut self, f: impl FnMut(&Topology) + Send + 'static) {
+        self.callbacks.push(Box::new(f));
+    }
+}
+
+/// Runs `f` elastically: sync, call, and on a peer failure or host change, move every rank
+/// to the driver's next round and call `f` again. See the module docs.
+///
+/// # Errors
+/// Whatever `f` returns that is not recoverable; [`Error::Removed`] when the driver has no
+/// place for this worker any more (the worker should exit 0); rendezvous failures.
+pub fn run<S: Syncable, R>(
+    state: &mut State<S>,
+    mut f: impl FnMut(&mut State<S>) -> Result<R>,
+) -> Result<R> {
+    let mut reset = false;
+    loop {
+        let result = state.sync().and_then(|()| {
+            if reset {
+                let topology = crate::topology()?;
+                for cb in &mut state.callbacks {
+                    cb(&topology);
+                }
+            }
+            f(state)
+        });
+        let reason = match result {
+            Ok(r) => return Ok(r),
+            Err(Error::HostsUpdated { update_id }) => {
+                // Every rank raised it at the same step: keep the current values.
+                state.save();
+                format!("hosts updated (update {update_id})")
+            }
+            Err(e) if e.is_recoverable() => {
+                tracing::warn!(error = %e, "collective failed; restoring the last commit");
+                state.restore();
+                e.to_string()
+            }
+            Err(e) => return Err(e),
+        };
+        // Joining may itself fail when a peer dies while the new mesh connects: join again.
+        loop {
+            match crate::rejoin(&reason) {
+                Ok(()) => break,
+                Err(e) if e.is_recoverable() => {
+                    tracing::warn!(error = %e, "connecting the new round failed; joining the next one");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        reset = true;
+    }
+}
+
+/// A deterministic partition of an epoch's samples over the current world that survives
+/// resizes: after one, the samples of the epoch not yet processed are split anew, so none is
+/// repeated and none skipped. Keep it in the synchronized state.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ElasticSampler {
+    /// Number of samples in the dataset.
+    pub len: usize,
+    /// Seed of the per-epoch shuffle.
+    pub seed: u64,
+    /// The current epoch.
+    pub epoch: u64,
+    /// Samples of this epoch already processed, by all ranks together.
+    pub processed: usize,
+}
+
+impl ElasticSampler {
+    /// A sampler over `len` samples, shuffled per epoch with `seed`.
+    pub fn new(len: usize, seed: u64) -> Self {
+        Self {
+            len,
+            seed,
+            epoch: 0,
+            processed: 0,
+        }
+    }
+
+    /// Starts epoch `epoch` from its first sample.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+        self.processed = 0;
+    }
+
+    /// The epoch's sample order (a seeded Fisher-Yates shuffle).
+    pub fn order(&self) -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..self.len).collect();
+        let mut s = self.seed ^ self.epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        for i in (1..idx.len()).rev() {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let j = ((s >> 33) as usize) % (i + 1);
+            idx.swap(i, j);
+        }
+        idx
+    }
+
+    /// The next batch of `rank` in a world of `size`: rank `r` takes the `r`-th of each group
+    /// of `size` consecutive unprocessed samples, `batch` groups at a time. The last batch of
+    /// an epoch may be short (or empty for some ranks); nothing is padded or repeated.
+    pub fn batch(&self, rank: usize, size: usize, batch: usize) -> Vec<usize> {
+        let order = self.order();
+        let rest = &order[self.processed.min(order.len())..];
+        rest.iter()
+            .take(batch * size)
+            .skip(rank)
+            .step_by(size.max(1))
+            .copied()
+            .collect()
+    }
+
+    /// Records that every rank processed its batch of `batch` in a world of `size`.
+    pub fn record_batch(&mut self, size: usize, batch: usize) {
+        self.processed = (self.processed + batch * size).min(self.len);
+    }
+
+    /// Whether the epoch has no sample left.
+    pub fn epoch_done(&self) -> bool {
+        self.processed >= self.len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampler_neither_repeats_nor_skips_across_resizes() {
+        let mut s = ElasticSampler::new(1000, 42);
+        s.set_epoch(3);
+        let mut seen = Vec::new();
+        // Sizes change between batches, as they do across resets.
+        let sizes = [
+            4usize, 4, 3, 3, 3, 7, 1, 2, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5,
+        ];
+        let mut i = 0;
+        while !s.epoch_done() {
+            let size = sizes[i % sizes.len()];
+            i += 1;
+            for r in 0..size {
+                seen.extend(s.batch(r, size, 16));
+            }
+            s.record_batch(size, 16);
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, (0..1000).collect::<Vec<_>>());
+        let mut other = s.clone();
+        other.set_epoch(4);
+        assert_ne!(s.order(), other.order(), "each epoch has its own order");
+        assert_eq!(s.order(), s.clone().order(), "deterministic");
+    }
+
+    #[test]
+    fn state_commit_and_restore() {
+        let mut st = State::new(Object(vec![1u32]));
+        st.0.push(2);
+        st.save();
+        st.0.push(3);
+        st.restore();
+        assert_eq!(st.0, vec![1, 2]);
+        assert_eq!(st.committed().0, vec![1, 2]);
+        assert_eq!(st.commits, 1);
+    }
+}
