@@ -193,6 +193,48 @@ impl Communicator {
         Ok(())
     }
 
+    /// Waits until at least one of `peers` has something to read (or has closed); returns
+    /// those that do. Past `deadline`, the first of them times out.
+    fn wait_readable(
+        &self,
+        peers: &[usize],
+        deadline: std::time::Instant,
+    ) -> std::result::Result<Vec<usize>, (usize, std::io::Error)> {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        use std::os::fd::AsFd;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err((
+                    peers[0],
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "no descriptor arrived"),
+                ));
+            }
+            let mut fds: Vec<PollFd<'_>> = peers
+                .iter()
+                .filter_map(|&p| self.readers[p].as_ref())
+                .map(|s| PollFd::new(s.as_fd(), PollFlags::POLLIN))
+                .collect();
+            let ms = i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX);
+            match poll(
+                &mut fds,
+                PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
+            ) {
+                Ok(0) => continue,
+                Ok(_) => {
+                    return Ok(peers
+                        .iter()
+                        .zip(&fds)
+                        .filter(|(_, f)| f.revents().is_some_and(|r| !r.is_empty()))
+                        .map(|(&p, _)| p)
+                        .collect());
+                }
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err((peers[0], std::io::Error::from(e))),
+            }
+        }
+    }
+
     /// The opening of every collective: sends `out(peer)` (a descriptor and an inline payload)
     /// to every peer and reads every peer's descriptor, handing inline payloads to `sink`, which
     /// must consume exactly `payload_len` bytes. Returns all descriptors by rank, after checking
@@ -239,27 +281,43 @@ impl Communicator {
             return Err(self.link_error(f, op, Phase::Arrival));
         }
         let mut descs = vec![flag(mine); n];
-        for k in 1..n {
-            let p = (r + n - k) % n;
-            let Some(reader) = self.readers[p].as_mut() else {
-                continue;
-            };
-            let mut head = [0u8; DESCRIPTOR_LEN];
-            if let Err(e) = read_full(reader, &mut head) {
-                let f = LinkFailure::new(&self.shared, p, e);
-                return Err(self.link_error(f, op, Phase::Arrival));
-            }
-            let d = match Descriptor::decode(&head) {
-                Ok(d) => d,
-                Err(detail) => return Err(self.fail(CommError::Protocol { rank: p, detail })),
-            };
-            if d.payload_len > 0 {
-                if let Err(e) = sink(p, &d, reader) {
+        // Read descriptors in the order peers send them: a dead peer is noticed at once even
+        // while another peer is slow to arrive (or stopped), instead of behind it.
+        let mut pending: Vec<usize> = (1..n)
+            .map(|k| (r + n - k) % n)
+            .filter(|&p| self.readers[p].is_some())
+            .collect();
+        let deadline = std::time::Instant::now() + self.cfg.arrival_timeout;
+        while !pending.is_empty() {
+            let ready = match self.wait_readable(&pending, deadline) {
+                Ok(ready) => ready,
+                Err((p, e)) => {
                     let f = LinkFailure::new(&self.shared, p, e);
                     return Err(self.link_error(f, op, Phase::Arrival));
                 }
+            };
+            for p in ready {
+                pending.retain(|&q| q != p);
+                let Some(reader) = self.readers[p].as_mut() else {
+                    continue;
+                };
+                let mut head = [0u8; DESCRIPTOR_LEN];
+                if let Err(e) = read_full(reader, &mut head) {
+                    let f = LinkFailure::new(&self.shared, p, e);
+                    return Err(self.link_error(f, op, Phase::Arrival));
+                }
+                let d = match Descriptor::decode(&head) {
+                    Ok(d) => d,
+                    Err(detail) => return Err(self.fail(CommError::Protocol { rank: p, detail })),
+                };
+                if d.payload_len > 0 {
+                    if let Err(e) = sink(p, &d, reader) {
+                        let f = LinkFailure::new(&self.shared, p, e);
+                        return Err(self.link_error(f, op, Phase::Arrival));
+                    }
+                }
+                descs[p] = d;
             }
-            descs[p] = d;
         }
         if let Err(detail) = local {
             return Err(CommError::InvalidArgument { op, detail });

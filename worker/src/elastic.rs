@@ -239,8 +239,8 @@ impl<S: Syncable> State<S> {
         Ok(())
     }
 
-    /// Adds a function called after every membership change, once the state is synchronized
-    /// and before training resumes, with the new topology (to rescale a learning rate, say).
+    /// Adds a function called after every membership change (and on the first pass of a
+    /// worker that joined after one), once the state is synchronized and before training resumes, with the new topology (to rescale a learning rate, say).
     pub fn register_reset_callbacks(&mut self, f: impl FnMut(&Topology) + Send + 'static) {
         self.callbacks.push(Box::new(f));
     }
@@ -256,7 +256,9 @@ pub fn run<S: Syncable, R>(
     state: &mut State<S>,
     mut f: impl FnMut(&mut State<S>) -> Result<R>,
 ) -> Result<R> {
-    let mut reset = false;
+    // A worker that joins a job already past its first round has missed the resets that
+    // came before: its callbacks run on its first pass too.
+    let mut reset = crate::generation() > 1;
     loop {
         let result = state.sync().and_then(|()| {
             if reset {

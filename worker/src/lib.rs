@@ -209,6 +209,14 @@ pub(crate) fn rejoin(reason: &str) -> Result<()> {
     Ok(())
 }
 
+/// The round this worker is in (0 before its first).
+pub(crate) fn generation() -> u64 {
+    context()
+        .as_ref()
+        .and_then(|c| c.session.as_ref())
+        .map_or(0, |s| s.generation)
+}
+
 /// The newest host update the current round accounts for.
 pub(crate) fn updates_through() -> u64 {
     context()

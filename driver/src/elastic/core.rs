@@ -191,6 +191,8 @@ pub struct Core {
     /// Hosts as of the last announcement, to name what was added and removed.
     announced_hosts: BTreeSet<String>,
     finished: bool,
+    /// The reason of the last failed discovery poll, while polls keep failing.
+    discovery_error: Option<String>,
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -222,20 +224,24 @@ impl Core {
             next_update: 1,
             announced_hosts: BTreeSet::new(),
             finished: false,
+            discovery_error: None,
         }
     }
 
     /// Whether the job is over.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub fn finished(&self) -> bool {
         self.finished
     }
 
     /// The number of the last completed round.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub fn generation(&self) -> u64 {
         self.generation
     }
 
     /// Live workers of the job.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub fn live_workers(&self) -> Vec<WorkerId> {
         self.workers
             .iter()
@@ -262,10 +268,20 @@ impl Core {
             return out;
         }
         match input {
-            Input::Discovered(hosts) => self.discovered(now, hosts),
+            Input::Discovered(hosts) => {
+                if self.discovery_error.take().is_some() {
+                    tracing::info!("host discovery works again");
+                }
+                self.discovered(now, hosts);
+            }
             Input::DiscoveryFailed(reason) => {
                 if self.have_hosts {
-                    tracing::warn!(%reason, "host discovery failed; keeping the last host set and retrying");
+                    // Each new reason is logged once; a script failing the same way every
+                    // poll would otherwise flood the log.
+                    if self.discovery_error.as_deref() != Some(reason.as_str()) {
+                        tracing::warn!(%reason, "host discovery failed; keeping the last host set and retrying");
+                        self.discovery_error = Some(reason);
+                    }
                 } else {
                     self.finish(
                         &mut out,
@@ -451,6 +467,11 @@ impl Core {
         self.order.retain(|h| h != host);
         for (id, w) in &mut self.workers {
             if w.host == host && w.live() {
+                tracing::info!(
+                    worker = id,
+                    host,
+                    "stopping the worker: its host is blacklisted"
+                );
                 w.phase = Phase::Leaving;
                 w.due = None;
                 out.push(Action::Stop { worker: *id });

@@ -327,14 +327,17 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
                 Wire::Registered(reg) => {
                     let id = reg.worker;
                     if d.hosts_of.contains_key(&id) {
-                        tracing::debug!(worker = id, addr = %reg.addr, pid = reg.pid, "worker connected");
+                        tracing::debug!(worker = id, host = %reg.host, addr = %reg.addr, pid = reg.pid, "worker connected");
                         d.regs.insert(id, reg);
                         d.feed(Input::Registered(id));
                     } else {
                         reg.send(&DriverMsg::Refused { reason: format!("no worker {id} was started by this job") });
                     }
                 }
-                Wire::Joined { worker, reason, .. } => d.feed(Input::Joined { worker, reason }),
+                Wire::Joined { worker, reason, generation } => {
+                    tracing::debug!(worker, generation, "join request");
+                    d.feed(Input::Joined { worker, reason });
+                }
                 Wire::Left { worker, clean } => {
                     tracing::debug!(worker, clean, "worker connection closed");
                 }
