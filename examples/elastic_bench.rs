@@ -1,0 +1,313 @@
+//! Measures elastic recovery on this machine with real processes: `horovodrun` running
+//! `elastic_counter` on 127.0.0.x hosts, timed from outside by the lines the workers print.
+//!
+//! ```text
+//! cargo build --release --workspace --bins --examples
+//! target/release/examples/elastic_bench --runs 5
+//! ```
+//!
+//! - recovery: 4 workers on 2 hosts; SIGKILL one worker → the first step the survivors
+//!   complete at the new size;
+//! - scale-up: 4 workers on 2 hosts; a third host appears in discovery → the first step at
+//!   the new size (from the discovery change), and the training pause (last step at the old
+//!   size → first at the new);
+//! - rebuild: N−1 one-slot hosts, one more appears → the training pause at N workers, for N
+//!   in 2, 4, 8, 16: re-rendezvous, ring rebuild and state sync together.
+//!
+//! Every figure is the median over `--runs` jobs; the counter steps every 10 ms.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use serde_json::Value;
+
+#[derive(Parser)]
+struct Args {
+    /// Jobs per figure (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Discovery interval passed to horovodrun, in seconds.
+    #[arg(long, default_value_t = 1.0)]
+    interval: f64,
+    /// World sizes for the rebuild figure.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8,16")]
+    sizes: Vec<usize>,
+}
+
+/// A counter line, stamped when it arrived.
+struct Line {
+    at: Instant,
+    v: Value,
+}
+
+struct Job {
+    child: Child,
+    dir: PathBuf,
+    rx: mpsc::Receiver<Line>,
+    seen: Vec<Line>,
+}
+
+fn bin_dir() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .context("cannot locate the target directory")?;
+    for need in ["horovodrun", "examples/elastic_counter"] {
+        if !dir.join(need).exists() {
+            bail!(
+                "{} is missing: build with `cargo build --release --workspace --bins --examples`",
+                dir.join(need).display()
+            );
+        }
+    }
+    Ok(dir.to_path_buf())
+}
+
+impl Job {
+    fn start(
+        name: &str,
+        hosts: &[String],
+        np: usize,
+        max_np: usize,
+        interval: f64,
+    ) -> anyhow::Result<Self> {
+        let bins = bin_dir()?;
+        let dir = std::env::temp_dir().join(format!("hvd-bench-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n")?;
+        let script = format!("cat {}", dir.join("hosts").display());
+        let mut child = Command::new(bins.join("horovodrun"))
+            .args([
+                "-np",
+                &np.to_string(),
+                "--min-np",
+                "1",
+                "--max-np",
+                &max_np.to_string(),
+            ])
+            .args([
+                "--host-discovery-script",
+                &script,
+                "--discovery-interval",
+                &interval.to_string(),
+            ])
+            .arg(bins.join("examples/elastic_counter"))
+            .args([
+                "--steps",
+                "100000",
+                "--commit-every",
+                "5",
+                "--step-ms",
+                "10",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting horovodrun")?;
+        let out = child.stdout.take().context("stdout")?;
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let at = Instant::now();
+                let Some((_, json)) = l.split_once("<stdout>:") else {
+                    continue;
+                };
+                if let Ok(v) = serde_json::from_str(json) {
+                    if tx.send(Line { at, v }).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        Ok(Self {
+            child,
+            dir,
+            rx,
+            seen: Vec::new(),
+        })
+    }
+
+    /// Waits for a step line at `size` arriving after `after`; returns it.
+    fn step_at(&mut self, size: usize, after: Instant) -> anyhow::Result<(Instant, Value)> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        if let Some(l) = self
+            .seen
+            .iter()
+            .find(|l| l.at >= after && l.v["event"] == "step" && l.v["size"] == size)
+        {
+            return Ok((l.at, l.v.clone()));
+        }
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let l = self
+                .rx
+                .recv_timeout(left)
+                .with_context(|| format!("no step at size {size} within 60 s"))?;
+            let hit = l.at >= after && l.v["event"] == "step" && l.v["size"] == size;
+            let found = (l.at, l.v.clone());
+            self.seen.push(l);
+            if hit {
+                return Ok(found);
+            }
+        }
+    }
+
+    /// The last step line at `size` seen before `before`.
+    fn last_step_before(&self, size: usize, before: Instant) -> Option<Instant> {
+        self.seen
+            .iter()
+            .filter(|l| l.at < before && l.v["event"] == "step" && l.v["size"] == size)
+            .map(|l| l.at)
+            .max()
+    }
+
+    fn set_hosts(&self, hosts: &[String]) -> anyhow::Result<()> {
+        let tmp = self.dir.join("hosts.tmp");
+        std::fs::write(&tmp, hosts.join("\n") + "\n")?;
+        std::fs::rename(tmp, self.dir.join("hosts"))?;
+        Ok(())
+    }
+
+    /// A worker process of this job on `host`.
+    fn worker_on(&self, host: &str) -> Option<i32> {
+        let me = self.child.id().to_string();
+        std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+            let pid: i32 = e.file_name().to_string_lossy().parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let ppid = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .to_string();
+            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            let want = format!("HOROVOD_HOSTNAME={host}");
+            (ppid == me && env.split(|&b| b == 0).any(|kv| kv == want.as_bytes())).then_some(pid)
+        })
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn hosts(first: u8, n: usize, slots: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| format!("127.0.0.{}:{slots}", first as usize + i))
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn fmt(v: &[f64]) -> String {
+    v.iter()
+        .map(|x| format!("{x:.3}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn recovery(run: usize, interval: f64) -> anyhow::Result<f64> {
+    let mut job = Job::start(&format!("rec{run}"), &hosts(2, 2, 2), 4, 4, interval)?;
+    job.step_at(4, Instant::now())?;
+    thread::sleep(Duration::from_millis(300));
+    let pid = job
+        .worker_on("127.0.0.3")
+        .context("no worker on 127.0.0.3")?;
+    let t0 = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    let (t1, _) = job.step_at(2, t0)?;
+    Ok((t1 - t0).as_secs_f64())
+}
+
+fn scale_up(run: usize, interval: f64) -> anyhow::Result<(f64, f64)> {
+    let mut job = Job::start(&format!("up{run}"), &hosts(2, 2, 2), 4, 6, interval)?;
+    job.step_at(4, Instant::now())?;
+    thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    job.set_hosts(&hosts(2, 3, 2))?;
+    let (t1, _) = job.step_at(6, t0)?;
+    let last = job
+        .last_step_before(4, t1)
+        .context("no step at the old size")?;
+    Ok(((t1 - t0).as_secs_f64(), (t1 - last).as_secs_f64()))
+}
+
+fn rebuild(run: usize, n: usize, interval: f64) -> anyhow::Result<f64> {
+    let mut job = Job::start(
+        &format!("rb{n}-{run}"),
+        &hosts(2, n - 1, 1),
+        n - 1,
+        n,
+        interval,
+    )?;
+    job.step_at(n - 1, Instant::now())?;
+    thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    job.set_hosts(&hosts(2, n, 1))?;
+    let (t1, _) = job.step_at(n, t0)?;
+    let last = job
+        .last_step_before(n - 1, t1)
+        .context("no step at the old size")?;
+    Ok((t1 - last).as_secs_f64())
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.runs == 0 || args.sizes.iter().any(|&n| n < 2) {
+        bail!("--runs must be at least 1 and every --sizes entry at least 2");
+    }
+    println!(
+        "# elastic_bench: medians of {} runs, counter at 10 ms/step, discovery every {} s",
+        args.runs, args.interval
+    );
+    let rec: Vec<f64> = (0..args.runs)
+        .map(|r| recovery(r, args.interval))
+        .collect::<anyhow::Result<_>>()?;
+    println!(
+        "recovery (SIGKILL 1 of 4 -> first step at size 2): {:.3} s  [{}]",
+        median(rec.clone()),
+        fmt(&rec)
+    );
+    let up: Vec<(f64, f64)> = (0..args.runs)
+        .map(|r| scale_up(r, args.interval))
+        .collect::<anyhow::Result<_>>()?;
+    let (from_change, pause): (Vec<f64>, Vec<f64>) = up.into_iter().unzip();
+    println!(
+        "scale-up 4 -> 6, discovery change -> first step at 6: {:.3} s  [{}]",
+        median(from_change.clone()),
+        fmt(&from_change)
+    );
+    println!(
+        "scale-up 4 -> 6, training pause: {:.3} s  [{}]",
+        median(pause.clone()),
+        fmt(&pause)
+    );
+    for &n in &args.sizes {
+        let v: Vec<f64> = (0..args.runs)
+            .map(|r| rebuild(r, n, args.interval))
+            .collect::<anyhow::Result<_>>()?;
+        println!(
+            "re-rendezvous + ring rebuild + sync at {n:>2} workers (pause): {:.3} s  [{}]",
+            median(v.clone()),
+            fmt(&v)
+        );
+    }
+    Ok(())
+}
