@@ -1,6 +1,8 @@
 //! Mismatched calls fail on every rank naming both sides; dead, hung and aborted peers make
 //! every other rank's call return within a bounded time; strangers are refused at connect.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
+
 mod support;
 
 use std::net::TcpListener;

@@ -4,6 +4,8 @@
 //! the counter's invariants (no committed step lost or applied twice, every rank agreeing),
 //! the driver's exit code and its message.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;

@@ -1,6 +1,8 @@
 //! `horovodrun` end to end with real worker processes on 127.0.0.x "hosts": exit codes,
 //! output prefixes, hostfiles, failures that stop the job, and no process left behind.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -42,7 +44,7 @@ fn alive(pid: i32) -> bool {
         return false;
     }
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| !s.split_whitespace().nth(2).is_some_and(|st| st == "Z"))
+        .map(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
         .unwrap_or(false)
 }
 

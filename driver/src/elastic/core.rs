@@ -229,7 +229,6 @@ impl Core {
     }
 
     /// Whether the job is over.
-    #[cfg_attr(not(test), allow(dead_code))]
     pub fn finished(&self) -> bool {
         self.finished
     }

@@ -316,7 +316,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         ending: None,
     };
     let mut interrupted = None;
-    while d.ending.is_none() && interrupted.is_none() {
+    while !d.core.finished() && interrupted.is_none() {
         let tick = d
             .core
             .next_deadline()
