@@ -455,12 +455,14 @@ impl Core {
         if let Some(b) = self.blacklist.blacklist(host, now, jitter) {
             match b.until {
                 Some(until) => tracing::warn!(
-                    host,
+                    host = %host,
                     failures = b.failures,
-                    cooldown_s = format!("{:.1}", (until.saturating_sub(now)).as_secs_f64()),
+                    cooldown_s = (until.saturating_sub(now).as_secs_f64() * 10.0).round() / 10.0,
                     "host blacklisted"
                 ),
-                None => tracing::warn!(host, failures = b.failures, "host blacklisted for good"),
+                None => {
+                    tracing::warn!(host = %host, failures = b.failures, "host blacklisted for good")
+                }
             }
         }
         self.order.retain(|h| h != host);
@@ -541,7 +543,7 @@ impl Core {
 
     fn step(&mut self, now: Duration, out: &mut Vec<Action>) {
         for r in self.blacklist.expire(now) {
-            tracing::info!(host = %r.host, failures = r.failures, "host's blacklist cooldown is over; it may rejoin");
+            tracing::info!(host = %r.host, failures = r.failures, "host's blacklist cooldown is over; it rejoins when discovery lists it");
         }
         self.append_new_hosts(now);
         self.expire_dues(now, out);
