@@ -34,27 +34,24 @@ pub use error::{Error, Result};
 pub use hvd_collectives::{
     AbortHandle, CommError, Communicator, DType, Element, ReduceOp, bf16, f16,
 };
+pub use hvd_rendezvous::Placement;
 pub use launch::{Env, Launch, ProcessEnv};
 
-use hvd_rendezvous::Placement;
-
-/// This process's place in the job.
+/// This process's place in the job: the six Horovod numbers (through `Deref`, so
+/// `topology.rank` works) and whether the hosts are homogeneous.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Topology {
-    /// Global rank.
-    pub rank: usize,
-    /// Number of ranks.
-    pub size: usize,
-    /// Rank on this host.
-    pub local_rank: usize,
-    /// Ranks on this host.
-    pub local_size: usize,
-    /// Rank among the hosts' ranks of the same local rank.
-    pub cross_rank: usize,
-    /// Hosts with a rank of this local rank.
-    pub cross_size: usize,
+    /// Rank, size, local and cross rank and size.
+    pub placement: Placement,
     /// Whether every host runs the same number of ranks.
     pub homogeneous: bool,
+}
+
+impl std::ops::Deref for Topology {
+    type Target = Placement;
+    fn deref(&self) -> &Placement {
+        &self.placement
+    }
 }
 
 impl Topology {
@@ -67,12 +64,7 @@ impl Topology {
             }
         }
         Self {
-            rank: p.rank,
-            size: p.size,
-            local_rank: p.local_rank,
-            local_size: p.local_size,
-            cross_rank: p.cross_rank,
-            cross_size: p.cross_size,
+            placement: p,
             homogeneous: per_host.windows(2).all(|w| w[0].1 == w[1].1),
         }
     }
