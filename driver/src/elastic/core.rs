@@ -483,10 +483,23 @@ impl Core {
 
     /// The assignment the available hosts give now; `None` below `--min-np`.
     fn target(&self) -> Option<Vec<SlotInfo>> {
-        let hosts: Vec<HostSlots> = self
+        // Hosts with a surviving worker of the last round come first, so rank 0 holds its
+        // newest commit; a host that came back (slots again, cooldown over) is new.
+        let survives = |h: &String| {
+            self.current.iter().any(|m| {
+                self.workers
+                    .get(m)
+                    .is_some_and(|w| (w.live() || w.phase == Phase::Finished) && &w.host == h)
+            })
+        };
+        let (old, new): (Vec<&String>, Vec<&String>) = self
             .order
             .iter()
             .filter(|h| self.available(h))
+            .partition(|h| survives(h));
+        let hosts: Vec<HostSlots> = old
+            .into_iter()
+            .chain(new)
             .map(|h| HostSlots {
                 host: h.clone(),
                 slots: self.discovered.get(h).copied().unwrap_or(0),
@@ -682,6 +695,21 @@ impl Core {
             });
         }
         self.current = members;
+        // The round's host order becomes the job's: hosts keep the place they trained at.
+        let mut order: Vec<String> = Vec::with_capacity(self.order.len());
+        for h in target.iter().map(|s| &s.host) {
+            if !order.contains(h) {
+                order.push(h.clone());
+            }
+        }
+        order.extend(
+            self.order
+                .iter()
+                .filter(|h| !order.contains(h))
+                .cloned()
+                .collect::<Vec<_>>(),
+        );
+        self.order = order;
         self.announced = Some(Self::slots_of(&target));
         self.announced_hosts = hosts.into_iter().collect();
         tracing::info!(

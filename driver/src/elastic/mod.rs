@@ -2,3 +2,5 @@
 
 pub mod core;
 pub mod run;
+#[cfg(test)]
+mod sim;
