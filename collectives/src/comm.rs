@@ -28,6 +28,8 @@ pub struct Communicator {
     seq: u64,
     broken: Option<String>,
     txbuf: Vec<u8>,
+    /// Every rank's process id, when all ranks share this host and may read each other.
+    pub(crate) cma: Option<Vec<nix::unistd::Pid>>,
 }
 
 /// How long a read may wait: for peers to arrive, or for data from peers already there.
@@ -61,11 +63,19 @@ impl Communicator {
                 detail: format!("{} peer addresses for a world of {}", peers.len(), cfg.size),
             });
         }
-        let streams = connect::mesh(&cfg, listener, peers)?;
-        let comm = Self::from_streams(cfg, streams);
+        let mut streams = connect::mesh(&cfg, listener, peers)?;
+        let cma = crate::cma::negotiate(cfg.rank, &mut streams, cfg.same_host_copy).map_err(
+            |source| CommError::Io {
+                context: "agreeing on same-host transfers".into(),
+                source,
+            },
+        )?;
+        let mut comm = Self::from_streams(cfg, streams);
+        comm.cma = cma;
         tracing::debug!(
             rank = comm.rank(),
             size = comm.size(),
+            same_host_copy = comm.cma.is_some(),
             "communicator connected"
         );
         Ok(comm)
@@ -108,6 +118,7 @@ impl Communicator {
             seq: 0,
             broken,
             txbuf: Vec::new(),
+            cma: None,
         }
     }
 

@@ -24,6 +24,9 @@ pub struct CommConfig {
     pub segment_bytes: usize,
     /// Buffers up to this size take the latency-optimal path: one message to every peer.
     pub small_bytes: usize,
+    /// Whether ranks that all run on one host read each other's buffers directly
+    /// (cross-memory attach) instead of sending them over TCP. Every rank must allow it.
+    pub same_host_copy: bool,
 }
 
 impl CommConfig {
@@ -39,6 +42,7 @@ impl CommConfig {
             connect_timeout: Duration::from_secs(30),
             segment_bytes: 1024 * 1024,
             small_bytes: 32 * 1024,
+            same_host_copy: true,
         }
     }
 

@@ -26,6 +26,7 @@
 //! # Ok::<(), hvd_collectives::CommError>(())
 //! ```
 
+mod cma;
 mod comm;
 mod config;
 mod connect;

@@ -12,6 +12,20 @@ use crate::error::{CommError, Result};
 use crate::pipeline::{Mode, Recv, split_at_bounds};
 use crate::wire::{Descriptor, Kind};
 
+/// A peer whose buffer can no longer be read has left the collective (it failed and
+/// returned, or its process is gone); reported as a lost peer, as a closed socket would be.
+fn left_collective(rank: usize, op: &'static str, e: &std::io::Error) -> CommError {
+    CommError::PeerLost {
+        rank,
+        op,
+        source: std::io::Error::other(format!("its buffer became unreadable ({e})")),
+    }
+}
+
+/// Bytes reduced per step of the same-host path: large enough to amortize a system call,
+/// small enough that the block being reduced stays in cache.
+const SAME_HOST_CHUNK: usize = 256 * 1024;
+
 fn desc<T: Element>(kind: Kind, op: Option<ReduceOp>, seq: u64, count: usize) -> Descriptor {
     Descriptor {
         kind,
@@ -115,6 +129,9 @@ impl Communicator {
             buf.copy_from_slice(&acc);
             return Ok(());
         }
+        if let Some(pids) = self.cma.clone() {
+            return self.reduce_same_host(kind, buf, op, mine, &pids, allgather);
+        }
         self.open(
             mine,
             Ok(()),
@@ -133,6 +150,89 @@ impl Communicator {
             (r + n - 1) % n,
             (r + 1) % n,
         )
+    }
+
+    /// Reduce-scatter (and allgather) among ranks of one host, reading peers' buffers in place.
+    /// Rank `r` alone reduces block `r`, in rank order, so every rank gets bit-identical
+    /// results; a barrier separates the phases, and another keeps every buffer untouched until
+    /// no peer reads it any more.
+    fn reduce_same_host<T: Element>(
+        &mut self,
+        kind: Kind,
+        buf: &mut [T],
+        op: ReduceOp,
+        mut mine: Descriptor,
+        pids: &[nix::unistd::Pid],
+        allgather: bool,
+    ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank());
+        let name = kind.name();
+        let word = (buf.as_ptr() as u64).to_le_bytes();
+        mine.payload_len = word.len() as u64;
+        let mut addrs = vec![0usize; n];
+        addrs[r] = buf.as_ptr() as usize;
+        self.open(
+            mine,
+            Ok(()),
+            |_| (mine, &word[..]),
+            |p, d, rd| {
+                if d.payload_len != 8 {
+                    return crate::link::discard(rd, d.payload_len);
+                }
+                let mut b = [0u8; 8];
+                crate::link::read_full(rd, &mut b)?;
+                addrs[p] = usize::try_from(u64::from_le_bytes(b)).unwrap_or(0);
+                Ok(())
+            },
+        )?;
+        let elem = std::mem::size_of::<T>();
+        let blocks = block_bounds(buf.len(), n);
+        let (lo, hi) = (blocks[r], blocks[r + 1]);
+        let chunk = (SAME_HOST_CHUNK / elem).max(1).min(hi - lo);
+        let mut acc: Vec<T> = vec![bytemuck::Zeroable::zeroed(); chunk];
+        let mut tmp = acc.clone();
+        let mut failed = None;
+        let mut at = lo;
+        'reduce: while at < hi {
+            let len = chunk.min(hi - at);
+            for p in 0..n {
+                let src: &[T] = if p == r {
+                    &buf[at..at + len]
+                } else {
+                    let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut tmp[..len]);
+                    if let Err(e) = crate::cma::read_remote(pids[p], addrs[p] + at * elem, dst) {
+                        failed = Some((p, e));
+                        break 'reduce;
+                    }
+                    &tmp[..len]
+                };
+                if p == 0 {
+                    acc[..len].copy_from_slice(src);
+                } else {
+                    T::reduce_into(&mut acc[..len], src, op.combining());
+                }
+            }
+            if op == ReduceOp::Average {
+                T::divide(&mut acc[..len], n);
+            }
+            buf[at..at + len].copy_from_slice(&acc[..len]);
+            at += len;
+        }
+        if let Some((p, e)) = failed {
+            return Err(self.fail(left_collective(p, name, &e)));
+        }
+        self.barrier()?;
+        if allgather {
+            for p in (1..n).map(|k| (r + k) % n) {
+                let (plo, phi) = (blocks[p], blocks[p + 1]);
+                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut buf[plo..phi]);
+                if let Err(e) = crate::cma::read_remote(pids[p], addrs[p] + plo * elem, dst) {
+                    return Err(self.fail(left_collective(p, name, &e)));
+                }
+            }
+            self.barrier()?;
+        }
+        Ok(())
     }
 
     /// Copies `buf` from rank `root` to every rank.

@@ -7,7 +7,7 @@
 mod support;
 
 use hvd_collectives::{Communicator, ReduceOp, bf16, f16};
-use support::{TestElem, world};
+use support::{TestElem, world, world_with};
 
 const OPS: [ReduceOp; 5] = [
     ReduceOp::Sum,
@@ -195,6 +195,15 @@ fn world_of_7() {
     world(7, check_all);
 }
 
+/// The TCP ring, as between hosts: the worlds above share one process and so read each
+/// other's buffers directly.
+#[test]
+fn worlds_of_3_and_4_over_tcp_only() {
+    for n in [3, 4] {
+        world_with(n, |cfg| cfg.same_host_copy = false, check_all);
+    }
+}
+
 #[test]
 fn allreduce_of_64_mib() {
     const LEN: usize = 16 << 20; // 64 MiB of f32
@@ -212,16 +221,21 @@ fn allreduce_of_64_mib() {
 #[test]
 fn every_rank_gets_bit_identical_floats() {
     // Values whose sum depends on the order of addition: all ranks must still agree bit for bit.
-    for len in [7usize, 100_000] {
-        let results = world(4, |comm| {
-            let r = comm.rank();
-            let mut buf: Vec<f32> = (0..len).map(|i| 1.0 / ((i * 4 + r) as f32 + 0.1)).collect();
-            comm.allreduce(&mut buf, ReduceOp::Sum).expect("allreduce");
-            buf.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        });
+    for (len, direct) in [(7usize, true), (100_000, true), (100_000, false)] {
+        let results = world_with(
+            4,
+            |cfg| cfg.same_host_copy = direct,
+            |comm| {
+                let r = comm.rank();
+                let mut buf: Vec<f32> =
+                    (0..len).map(|i| 1.0 / ((i * 4 + r) as f32 + 0.1)).collect();
+                comm.allreduce(&mut buf, ReduceOp::Sum).expect("allreduce");
+                buf.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            },
+        );
         assert!(
             results.iter().all(|r| r == &results[0]),
-            "len {len}: ranks disagree"
+            "len {len} (same-host copy {direct}): ranks disagree"
         );
     }
 }

@@ -28,6 +28,9 @@ pub const ENV_COLLECTIVE_TIMEOUT: &str = "HVD_COLLECTIVE_TIMEOUT";
 pub const ENV_ARRIVAL_TIMEOUT: &str = "HVD_ARRIVAL_TIMEOUT";
 /// Seconds a worker waits for the rendezvous (the driver's `--start-timeout`).
 pub const ENV_START_TIMEOUT: &str = "HOROVOD_START_TIMEOUT";
+/// Set to `0` to keep ranks of one host from reading each other's buffers directly (they
+/// then use TCP, as between hosts).
+pub const ENV_SAME_HOST_COPY: &str = "HVD_SAME_HOST_COPY";
 /// The driver-given id of this worker process, stable across rounds (elastic jobs).
 pub const ENV_WORKER_ID: &str = "HVD_WORKER_ID";
 /// Set to `1` when the job is elastic: ranks come from the driver at every round.

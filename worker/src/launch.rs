@@ -62,6 +62,8 @@ pub struct Launch {
     pub start_timeout: Duration,
     /// The driver's id for this worker process (the rank, in a static job).
     pub worker: u64,
+    /// Whether ranks of one host may read each other's buffers (`HVD_SAME_HOST_COPY`, default on).
+    pub same_host_copy: bool,
     /// Whether the job is elastic (`HOROVOD_ELASTIC=1`).
     pub elastic: bool,
     /// How long a round may wait for enough hosts (`HOROVOD_ELASTIC_TIMEOUT`).
@@ -142,6 +144,9 @@ impl Launch {
             arrival_timeout: seconds(env, rv::ENV_ARRIVAL_TIMEOUT, 300.0)?,
             start_timeout: seconds(env, rv::ENV_START_TIMEOUT, 30.0)?,
             worker: 0,
+            same_host_copy: env
+                .var(rv::ENV_SAME_HOST_COPY)
+                .is_none_or(|v| v.trim() != "0"),
             elastic,
             elastic_timeout: seconds(env, rv::ENV_ELASTIC_TIMEOUT, 600.0)?,
         };

@@ -163,6 +163,7 @@ fn enter(session: &mut Session, round: client::Round) -> Result<(Topology, Commu
     cfg.progress_timeout = l.progress_timeout;
     cfg.arrival_timeout = l.arrival_timeout;
     cfg.connect_timeout = l.start_timeout.max(Duration::from_secs(1));
+    cfg.same_host_copy = l.same_host_copy;
     session.generation = world.generation;
     session.updates_through = world.updates_through;
     let comm = Communicator::connect(cfg, &session.listener, &world.peers)?;
