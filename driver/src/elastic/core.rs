@@ -444,13 +444,15 @@ impl Core {
                     return;
                 }
                 tracing::warn!(worker = id, %host, exit = %exit.description, "worker failed");
-                self.host_failed(now, &host, out);
+                self.host_failed(now, id, &host, out);
             }
         }
     }
 
-    /// Blacklists `host` and stops its other workers: a host whose worker failed is not trusted.
-    fn host_failed(&mut self, now: Duration, host: &str, out: &mut Vec<Action>) {
+    /// Blacklists `host` and stops its other workers: a host whose worker `failed` failed is
+    /// not trusted. A new round is needed only when the last round lost a member; a new worker
+    /// that never made it into a round leaves the running ones alone.
+    fn host_failed(&mut self, now: Duration, failed: WorkerId, host: &str, out: &mut Vec<Action>) {
         let jitter = self.jitter();
         if let Some(b) = self.blacklist.blacklist(host, now, jitter) {
             match b.until {
@@ -470,7 +472,7 @@ impl Core {
             if w.host == host && w.live() {
                 tracing::info!(
                     worker = id,
-                    host,
+                    host = %host,
                     "stopping the worker: its host is blacklisted"
                 );
                 w.phase = Phase::Leaving;
@@ -478,7 +480,15 @@ impl Core {
                 out.push(Action::Stop { worker: *id });
             }
         }
-        self.pending = true;
+        let lost_member = self.current.contains(&failed)
+            || self.current.iter().any(|m| {
+                self.workers
+                    .get(m)
+                    .is_some_and(|w| w.host == host && w.phase == Phase::Leaving)
+            });
+        if lost_member || self.generation == 0 {
+            self.pending = true;
+        }
     }
 
     /// The assignment the available hosts give now; `None` below `--min-np`.
@@ -595,7 +605,7 @@ impl Core {
                 w.due = None;
             }
             out.push(Action::Stop { worker: id });
-            self.host_failed(now, &host, out);
+            self.host_failed(now, id, &host, out);
         }
     }
 
