@@ -50,6 +50,12 @@ pub enum Error {
         /// The newest announced update.
         update_id: u64,
     },
+    /// A synchronous collective was called while the background engine holds the
+    /// communicator ([`crate::start_engine`]); give it back with [`crate::stop_engine`].
+    #[error(
+        "the background engine holds the communicator: use its async ops, or hvd::stop_engine first"
+    )]
+    EngineActive,
     /// An elastic call in a process that no elastic launcher started.
     #[error("not an elastic job: run it under horovodrun with --min-np or --host-discovery-script")]
     NotElastic,

@@ -32,7 +32,8 @@ use std::time::Duration;
 
 pub use error::{Error, Result};
 pub use hvd_collectives::{
-    AbortHandle, CommError, Communicator, DType, Element, ReduceOp, bf16, f16,
+    AbortHandle, CommError, Communicator, DType, Element, Engine, EngineConfig, Handle, ReduceOp,
+    bf16, f16,
 };
 pub use hvd_rendezvous::Placement;
 pub use launch::{Env, Launch, ProcessEnv};
@@ -85,6 +86,8 @@ struct Context {
     comm: Option<Communicator>,
     /// `None` for a world of one started without a launcher.
     session: Option<Session>,
+    /// The communicator is lent to a background engine.
+    engine_active: bool,
 }
 
 static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
@@ -129,6 +132,7 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
             ),
             comm: Some(Communicator::single()),
             session: None,
+            engine_active: false,
         });
         return Ok(());
     };
@@ -146,6 +150,7 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
         topology,
         comm: Some(comm),
         session: Some(session),
+        engine_active: false,
     });
     Ok(())
 }
@@ -185,6 +190,9 @@ pub(crate) fn rejoin(reason: &str) -> Result<()> {
         let mut ctx = context();
         let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
         c.comm = None;
+        // An engine on the old communicator fails its ops from now on; the new round's
+        // communicator serves the synchronous collectives.
+        c.engine_active = false;
         c.session.take().ok_or(Error::NotElastic)?
     };
     let result = session
@@ -295,6 +303,40 @@ pub fn is_homogeneous() -> Result<bool> {
     Ok(topology()?.homogeneous)
 }
 
+/// Hands the communicator to a background [`Engine`]: named, asynchronous allreduces
+/// ([`Engine::allreduce_async`]) matched across ranks by name and fused. Synchronous
+/// collectives fail with [`Error::EngineActive`] until [`stop_engine`] gives it back.
+///
+/// # Errors
+/// [`Error::NotInitialized`], [`Error::EngineActive`] or [`Error::MembershipChanging`] when
+/// there is no communicator to hand over; [`Error::Comm`] when the thread can't start.
+pub fn start_engine(cfg: EngineConfig) -> Result<Engine> {
+    let mut ctx = context();
+    let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
+    if c.engine_active {
+        return Err(Error::EngineActive);
+    }
+    let comm = c.comm.take().ok_or(Error::MembershipChanging)?;
+    c.engine_active = true;
+    Ok(Engine::start(comm, cfg)?)
+}
+
+/// Stops the engine (on every rank together: pending ops fail) and gives the communicator
+/// back to the synchronous collectives.
+///
+/// # Errors
+/// [`Error::NotInitialized`].
+pub fn stop_engine(engine: Engine) -> Result<()> {
+    let comm = engine.stop();
+    let mut ctx = context();
+    let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
+    c.engine_active = false;
+    if c.comm.is_none() {
+        c.comm = comm;
+    }
+    Ok(())
+}
+
 /// Runs `f` on the communicator; the building block of the functions below.
 ///
 /// # Errors
@@ -304,6 +346,9 @@ pub fn with_communicator<R>(
 ) -> Result<R> {
     let mut ctx = context();
     let ctx = ctx.as_mut().ok_or(Error::NotInitialized)?;
+    if ctx.engine_active {
+        return Err(Error::EngineActive);
+    }
     let comm = ctx.comm.as_mut().ok_or(Error::MembershipChanging)?;
     Ok(f(comm)?)
 }

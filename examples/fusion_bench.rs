@@ -1,0 +1,120 @@
+//! A training step's gradients in a burst: 200 tensors of 64 KiB to 4 MiB (25 M f32 in all,
+//! ResNet-50's size) submitted asynchronously to the background engine, against one
+//! allreduce of the same bytes. Fusion should make the burst cost about as much as the one
+//! big allreduce.
+//!
+//! ```text
+//! horovodrun -np 4 -H localhost:4 target/release/examples/fusion_bench
+//! ```
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use hvd::{EngineConfig, ReduceOp};
+
+#[derive(Parser)]
+struct Args {
+    /// Number of tensors in the burst.
+    #[arg(long, default_value_t = 200)]
+    tensors: usize,
+    /// Total f32 elements of the burst.
+    #[arg(long, default_value_t = 25_000_000)]
+    elems: usize,
+    /// Timed repetitions (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Engine cycle in milliseconds.
+    #[arg(long, default_value_t = 1.0)]
+    cycle_ms: f64,
+    /// Fusion buffer in MiB (0 disables fusion).
+    #[arg(long, default_value_t = 128)]
+    fusion_mb: usize,
+}
+
+/// Tensor lengths between 16 Ki and 1 Mi elements (64 KiB to 4 MiB of f32), log-spread and
+/// scaled to `total`; the same on every rank.
+fn sizes(n: usize, total: usize) -> Vec<usize> {
+    let raw: Vec<f64> = (0..n)
+        .map(|i| {
+            let x = ((i * 7919) % n) as f64 / n.max(1) as f64;
+            (16_384f64).ln() + x * ((1_048_576f64).ln() - (16_384f64).ln())
+        })
+        .map(f64::exp)
+        .collect();
+    let sum: f64 = raw.iter().sum();
+    let mut out: Vec<usize> = raw
+        .iter()
+        .map(|r| ((r / sum) * total as f64) as usize)
+        .collect();
+    let short = total - out.iter().sum::<usize>();
+    if let Some(first) = out.first_mut() {
+        *first += short;
+    }
+    out
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    hvd::init().context("hvd::init")?;
+    let (rank, size) = (hvd::rank()?, hvd::size()?);
+    let lens = sizes(args.tensors, args.elems);
+    let mut one = vec![1.0f32; args.elems];
+    let mut single = Vec::new();
+    for i in 0..=args.iters {
+        hvd::barrier()?;
+        let t = Instant::now();
+        hvd::allreduce(&mut one, ReduceOp::Sum)?;
+        if i > 0 {
+            single.push(t.elapsed());
+        }
+    }
+    let cfg = EngineConfig {
+        cycle: Duration::from_secs_f64(args.cycle_ms / 1000.0),
+        fusion_bytes: args.fusion_mb << 20,
+        ..EngineConfig::default()
+    };
+    let engine = hvd::start_engine(cfg)?;
+    let mut burst = Vec::new();
+    for i in 0..=args.iters {
+        let tensors: Vec<Vec<f32>> = lens.iter().map(|&n| vec![1.0f32; n]).collect();
+        // Everyone starts together: a barrier through the engine itself.
+        engine
+            .allreduce_async(&format!("start/{i}"), vec![0u8], ReduceOp::Max)
+            .wait()?;
+        let t = Instant::now();
+        let handles: Vec<_> = tensors
+            .into_iter()
+            .enumerate()
+            .map(|(k, v)| engine.allreduce_async(&format!("step{i}/grad{k}"), v, ReduceOp::Sum))
+            .collect();
+        for h in handles {
+            let v = h.wait()?;
+            anyhow::ensure!(v.iter().all(|&x| x == size as f32), "wrong sum");
+        }
+        if i > 0 {
+            burst.push(t.elapsed());
+        }
+    }
+    hvd::stop_engine(engine)?;
+    let (s, b) = (median(single), median(burst));
+    if rank == 0 {
+        println!(
+            "ranks {size}: one allreduce of {} MB: {:.1} ms; burst of {} tensors (fusion {} MiB, cycle {} ms): {:.1} ms; ratio {:.2}",
+            args.elems * 4 / 1_000_000,
+            s.as_secs_f64() * 1e3,
+            args.tensors,
+            args.fusion_mb,
+            args.cycle_ms,
+            b.as_secs_f64() * 1e3,
+            b.as_secs_f64() / s.as_secs_f64()
+        );
+    }
+    hvd::shutdown()?;
+    Ok(())
+}
