@@ -93,12 +93,17 @@ fn main() -> anyhow::Result<()> {
             .enumerate()
             .map(|(k, v)| engine.allreduce_async(&format!("step{i}/grad{k}"), v, ReduceOp::Sum))
             .collect();
-        for h in handles {
-            let v = h.wait()?;
-            anyhow::ensure!(v.iter().all(|&x| x == size as f32), "wrong sum");
-        }
+        let results = handles
+            .into_iter()
+            .map(hvd::Handle::wait)
+            .collect::<Result<Vec<_>, _>>()?;
+        let took = t.elapsed();
+        anyhow::ensure!(
+            results.iter().flatten().all(|&x| x == size as f32),
+            "wrong sum"
+        );
         if i > 0 {
-            burst.push(t.elapsed());
+            burst.push(took);
         }
     }
     hvd::stop_engine(engine)?;
