@@ -56,6 +56,7 @@ trait Tensor: Send {
     fn bytes_mut(&mut self) -> &mut [u8];
     fn reduce(&mut self, comm: &mut Communicator, op: ReduceOp) -> Result<()>;
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
 impl<T: Element> Tensor for Vec<T> {
@@ -75,6 +76,9 @@ impl<T: Element> Tensor for Vec<T> {
         comm.allreduce(self, op)
     }
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }
 }
@@ -540,6 +544,15 @@ impl Worker {
             let _ = r.reply.send(Ok(r.tensor.into_any()));
             return Ok(());
         }
+        let dtype = batch[0].tensor.dtype();
+        if self.comm.cma.is_some() {
+            // Ranks of one host reduce the tensors where they lie: no fusion copy.
+            group_in_place(&mut self.comm, dtype, op, &mut batch)?;
+            for r in batch {
+                let _ = r.reply.send(Ok(r.tensor.into_any()));
+            }
+            return Ok(());
+        }
         let total: usize = batch.iter().map(|r| r.tensor.bytes().len()).sum();
         self.fusion.resize(total.div_ceil(8), 0);
         {
@@ -551,7 +564,6 @@ impl Worker {
                 at += b.len();
             }
         }
-        let dtype = batch[0].tensor.dtype();
         reduce_bytes(&mut self.comm, dtype, op, &mut self.fusion, total)?;
         let buf: &[u8] = bytemuck::cast_slice(&self.fusion[..]);
         let mut at = 0;
@@ -563,6 +575,36 @@ impl Worker {
             let _ = r.reply.send(Ok(r.tensor.into_any()));
         }
         Ok(())
+    }
+}
+
+/// Allreduces a batch of tensors of one `dtype` as one grouped allreduce on their own memory.
+fn group_in_place(
+    comm: &mut Communicator,
+    dtype: DType,
+    op: ReduceOp,
+    batch: &mut [Request],
+) -> Result<()> {
+    fn typed<T: Element>(
+        comm: &mut Communicator,
+        op: ReduceOp,
+        batch: &mut [Request],
+    ) -> Result<()> {
+        let mut slices: Vec<&mut [T]> = batch
+            .iter_mut()
+            .filter_map(|r| r.tensor.as_any_mut().downcast_mut::<Vec<T>>())
+            .map(Vec::as_mut_slice)
+            .collect();
+        comm.grouped_allreduce(&mut slices, op)
+    }
+    match dtype {
+        DType::U8 => typed::<u8>(comm, op, batch),
+        DType::I32 => typed::<i32>(comm, op, batch),
+        DType::I64 => typed::<i64>(comm, op, batch),
+        DType::F16 => typed::<half::f16>(comm, op, batch),
+        DType::BF16 => typed::<half::bf16>(comm, op, batch),
+        DType::F32 => typed::<f32>(comm, op, batch),
+        DType::F64 => typed::<f64>(comm, op, batch),
     }
 }
 

@@ -22,6 +22,19 @@ fn left_collective(rank: usize, op: &'static str, e: &std::io::Error) -> CommErr
     }
 }
 
+/// The parts of the virtual concatenation `[a, b)` of buffers starting at `starts` (prefix
+/// sums, one more than the buffers): `(buffer, offset, length)`, empty buffers skipped.
+fn pieces(starts: &[usize], a: usize, b: usize) -> Vec<(usize, usize, usize)> {
+    let mut out = Vec::new();
+    for i in 0..starts.len().saturating_sub(1) {
+        let (s, e) = (starts[i].max(a), starts[i + 1].min(b));
+        if s < e {
+            out.push((i, s - starts[i], e - s));
+        }
+    }
+    out
+}
+
 /// Bytes reduced per step of the same-host path: large enough to amortize a system call,
 /// small enough that the block being reduced stays in cache.
 const SAME_HOST_CHUNK: usize = 256 * 1024;
@@ -60,6 +73,13 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<()> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if self.size() > 1
+            && self.cma.is_some()
+            && !self.is_small(total * std::mem::size_of::<T>())
+            && bufs.len() > 1
+        {
+            return self.grouped_same_host(bufs, op);
+        }
         let mut fused = Vec::with_capacity(total);
         bufs.iter().for_each(|b| fused.extend_from_slice(b));
         self.reduce(Kind::Allreduce, &mut fused, op, bufs.len().max(1), true)?;
@@ -233,6 +253,112 @@ impl Communicator {
             self.barrier()?;
         }
         Ok(())
+    }
+
+    /// [`Communicator::grouped_allreduce`] among ranks of one host, in place: the buffers are
+    /// one virtual concatenation, each rank reduces its block of it straight from the peers'
+    /// buffers, then reads the other blocks into its own. No fusion copy.
+    fn grouped_same_host<T: Element>(&mut self, bufs: &mut [&mut [T]], op: ReduceOp) -> Result<()> {
+        let seq = self.begin()?;
+        let (n, r) = (self.size(), self.rank());
+        let Some(pids) = self.cma.clone() else {
+            return Err(self.fail(CommError::Broken {
+                cause: "same-host transfers are not set up".into(),
+            }));
+        };
+        let mut starts = Vec::with_capacity(bufs.len() + 1);
+        starts.push(0usize);
+        for b in bufs.iter() {
+            starts.push(starts[starts.len() - 1] + b.len());
+        }
+        let total = starts[bufs.len()];
+        let mut mine = desc::<T>(Kind::Allreduce, Some(op), seq, total);
+        mine.row_len = bufs.len() as u64;
+        // The layout must agree too, or blocks would pair up different tensors.
+        mine.root = starts.iter().fold(0x811c_9dc5u32, |h, &s| {
+            (h ^ s as u32).wrapping_mul(0x0100_0193)
+        });
+        let mut words = Vec::with_capacity(8 * bufs.len());
+        for b in bufs.iter() {
+            words.extend_from_slice(&(b.as_ptr() as u64).to_le_bytes());
+        }
+        mine.payload_len = words.len() as u64;
+        let k = bufs.len();
+        let mut addrs = vec![Vec::new(); n];
+        addrs[r] = bufs.iter().map(|b| b.as_ptr() as usize).collect();
+        self.open(
+            mine,
+            Ok(()),
+            |_| (mine, &words[..]),
+            |p, d, rd| {
+                if d.payload_len != 8 * k as u64 {
+                    return crate::link::discard(rd, d.payload_len);
+                }
+                let mut b = vec![0u8; 8 * k];
+                crate::link::read_full(rd, &mut b)?;
+                addrs[p] = b
+                    .chunks_exact(8)
+                    .map(|w| {
+                        let mut a = [0u8; 8];
+                        a.copy_from_slice(w);
+                        usize::try_from(u64::from_le_bytes(a)).unwrap_or(0)
+                    })
+                    .collect();
+                Ok(())
+            },
+        )?;
+        let elem = std::mem::size_of::<T>();
+        let blocks = block_bounds(total, n);
+        let (lo, hi) = (blocks[r], blocks[r + 1]);
+        let chunk = (SAME_HOST_CHUNK / elem).max(1).min(hi - lo);
+        let mut acc: Vec<T> = vec![bytemuck::Zeroable::zeroed(); chunk];
+        let mut tmp = acc.clone();
+        let mut at = lo;
+        while at < hi {
+            let len = chunk.min(hi - at);
+            let parts = pieces(&starts, at, at + len);
+            for p in 0..n {
+                let mut filled = 0;
+                for &(i, off, plen) in &parts {
+                    let dst = &mut tmp[filled..filled + plen];
+                    if p == r {
+                        dst.copy_from_slice(&bufs[i][off..off + plen]);
+                    } else {
+                        let raw: &mut [u8] = bytemuck::cast_slice_mut(dst);
+                        if let Err(e) =
+                            crate::cma::read_remote(pids[p], addrs[p][i] + off * elem, raw)
+                        {
+                            return Err(self.fail(left_collective(p, "allreduce", &e)));
+                        }
+                    }
+                    filled += plen;
+                }
+                if p == 0 {
+                    acc[..len].copy_from_slice(&tmp[..len]);
+                } else {
+                    T::reduce_into(&mut acc[..len], &tmp[..len], op.combining());
+                }
+            }
+            if op == ReduceOp::Average {
+                T::divide(&mut acc[..len], n);
+            }
+            let mut taken = 0;
+            for (i, off, plen) in parts {
+                bufs[i][off..off + plen].copy_from_slice(&acc[taken..taken + plen]);
+                taken += plen;
+            }
+            at += len;
+        }
+        self.barrier()?;
+        for p in (1..n).map(|q| (r + q) % n) {
+            for (i, off, plen) in pieces(&starts, blocks[p], blocks[p + 1]) {
+                let raw: &mut [u8] = bytemuck::cast_slice_mut(&mut bufs[i][off..off + plen]);
+                if let Err(e) = crate::cma::read_remote(pids[p], addrs[p][i] + off * elem, raw) {
+                    return Err(self.fail(left_collective(p, "allreduce", &e)));
+                }
+            }
+        }
+        self.barrier()
     }
 
     /// Copies `buf` from rank `root` to every rank.

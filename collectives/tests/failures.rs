@@ -222,3 +222,21 @@ fn a_peer_with_the_wrong_token_is_refused() {
     let err0 = acceptor.join().expect("join").unwrap_err();
     assert!(err0.to_string().contains("did not connect"), "{err0}");
 }
+
+/// Grouped buffers of the same total but another layout would pair different tensors: on one
+/// host, where ranks read each other's buffers, it is a mismatch on every rank.
+#[test]
+fn grouped_allreduce_layouts_must_agree() {
+    let out = world(3, |comm| {
+        let (a, b) = if comm.rank() == 1 {
+            (7000, 5000)
+        } else {
+            (5000, 7000)
+        };
+        let (mut x, mut y) = (vec![1.0f32; a], vec![1.0f32; b]);
+        comm.grouped_allreduce(&mut [&mut x, &mut y], ReduceOp::Sum)
+    });
+    for r in out {
+        assert!(matches!(r, Err(CommError::Mismatch { .. })), "{r:?}");
+    }
+}
