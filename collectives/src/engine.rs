@@ -19,13 +19,14 @@
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{CommError, Result};
+use crate::timeline::Timeline;
 
 /// How the engine runs.
 #[derive(Debug, Clone)]
@@ -36,6 +37,8 @@ pub struct EngineConfig {
     pub fusion_bytes: usize,
     /// How long an op may wait for the other ranks to submit it before it fails.
     pub stall_timeout: Duration,
+    /// Where to record every op's phases (`HOROVOD_TIMELINE`).
+    pub timeline: Option<Arc<Timeline>>,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +47,7 @@ impl Default for EngineConfig {
             cycle: Duration::from_millis(1),
             fusion_bytes: 128 << 20,
             stall_timeout: Duration::from_secs(60),
+            timeline: None,
         }
     }
 }
@@ -87,6 +91,7 @@ type Reply = mpsc::Sender<Result<Box<dyn Any + Send>>>;
 
 struct Request {
     name: String,
+    submitted: Instant,
     op: ReduceOp,
     tensor: Box<dyn Tensor>,
     reply: Reply,
@@ -196,6 +201,7 @@ impl Engine {
         let (reply, rx) = mpsc::channel();
         let req = Request {
             name: name.to_string(),
+            submitted: Instant::now(),
             op,
             tensor: Box::new(tensor),
             reply,
@@ -395,7 +401,11 @@ impl Worker {
             clock_ms: self.started.elapsed().as_millis() as u64,
             ops: self.pending.iter().map(tensor_desc).collect(),
         };
+        let t_cycle = Instant::now();
         let gathered = self.gather(&mine)?;
+        if let Some(t) = self.cfg.timeline.as_ref().filter(|t| t.mark_cycles) {
+            t.instant("engine", "CYCLE", t_cycle, "");
+        }
         if gathered.iter().any(|a| a.stopping) {
             let who: Vec<usize> = (0..n).filter(|&r| gathered[r].stopping).collect();
             let cause = format!("the engine stopped on ranks {who:?}");
@@ -487,6 +497,12 @@ impl Worker {
                 let _ = r.reply.send(Err(e));
             }
         }
+        if let Some(t) = &self.cfg.timeline {
+            let now = Instant::now();
+            for r in self.pending.iter().filter(|r| ready.contains(&r.name)) {
+                t.span(&r.name, "NEGOTIATE_ALLREDUCE", r.submitted, now, "");
+            }
+        }
         self.run_ready(&ready)?;
         Ok(true)
     }
@@ -536,11 +552,24 @@ impl Worker {
         Ok(())
     }
 
+    /// Records one phase of every op of a batch on the timeline.
+    fn trace(&self, batch: &[Request], phase: &str, start: Instant) {
+        if let Some(t) = &self.cfg.timeline {
+            let end = Instant::now();
+            let args = format!("\"fused\":{}", batch.len());
+            for r in batch {
+                t.span(&r.name, phase, start, end, &args);
+            }
+        }
+    }
+
     fn reduce_batch(&mut self, mut batch: Vec<Request>) -> Result<()> {
         let op = batch[0].op;
+        let start = Instant::now();
         if batch.len() == 1 {
-            let mut r = batch.remove(0);
-            r.tensor.reduce(&mut self.comm, op)?;
+            batch[0].tensor.reduce(&mut self.comm, op)?;
+            self.trace(&batch, "ALLREDUCE", start);
+            let r = batch.remove(0);
             let _ = r.reply.send(Ok(r.tensor.into_any()));
             return Ok(());
         }
@@ -548,6 +577,7 @@ impl Worker {
         if self.comm.cma.is_some() {
             // Ranks of one host reduce the tensors where they lie: no fusion copy.
             group_in_place(&mut self.comm, dtype, op, &mut batch)?;
+            self.trace(&batch, "ALLREDUCE_FUSED_IN_PLACE", start);
             for r in batch {
                 let _ = r.reply.send(Ok(r.tensor.into_any()));
             }
@@ -564,14 +594,21 @@ impl Worker {
                 at += b.len();
             }
         }
+        self.trace(&batch, "MEMCPY_IN_FUSION_BUFFER", start);
+        let start = Instant::now();
         reduce_bytes(&mut self.comm, dtype, op, &mut self.fusion, total)?;
+        self.trace(&batch, "ALLREDUCE", start);
+        let start = Instant::now();
         let buf: &[u8] = bytemuck::cast_slice(&self.fusion[..]);
         let mut at = 0;
-        for mut r in batch {
+        for r in &mut batch {
             let b = r.tensor.bytes_mut();
             let len = b.len();
             b.copy_from_slice(&buf[at..at + len]);
             at += len;
+        }
+        self.trace(&batch, "MEMCPY_OUT_FUSION_BUFFER", start);
+        for r in batch {
             let _ = r.reply.send(Ok(r.tensor.into_any()));
         }
         Ok(())

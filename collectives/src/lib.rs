@@ -36,6 +36,7 @@ mod error;
 mod link;
 mod ops;
 mod pipeline;
+mod timeline;
 mod wire;
 
 pub use comm::Communicator;
@@ -45,4 +46,5 @@ pub use engine::{Engine, EngineConfig, Handle};
 pub use error::{CommError, Result};
 pub use half::{bf16, f16};
 pub use link::AbortHandle;
+pub use timeline::Timeline;
 pub use wire::{Descriptor, Kind};

@@ -90,6 +90,14 @@ pub struct Args {
     )]
     pub discovery_timeout: f64,
 
+    /// Record every rank's collective engine (and elastic resets) as a Chrome trace in FILE.
+    #[arg(long = "timeline-filename", value_name = "FILE")]
+    pub timeline: Option<PathBuf>,
+
+    /// Mark every engine cycle on the timeline.
+    #[arg(long = "timeline-mark-cycles")]
+    pub timeline_mark_cycles: bool,
+
     /// The training program and its arguments.
     #[arg(required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -120,6 +128,7 @@ const VALUE_FLAGS: &[&str] = &[
     "--reset-limit",
     "--discovery-interval",
     "--discovery-timeout",
+    "--timeline-filename",
 ];
 
 /// Flags that take two values.

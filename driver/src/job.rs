@@ -44,6 +44,8 @@ pub struct JobSpec {
     pub rendezvous_host: String,
     /// Bind address of the rendezvous listener.
     pub rendezvous_bind: String,
+    /// More variables for every worker (the timeline's).
+    pub extra_env: Vec<(String, String)>,
 }
 
 /// How a job ended.
@@ -119,6 +121,7 @@ fn worker_env(
     if let Some(i) = &spec.network_interface {
         env.push((rv::ENV_NETWORK_INTERFACE.into(), i.clone()));
     }
+    env.extend(spec.extra_env.iter().cloned());
     env
 }
 

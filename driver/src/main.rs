@@ -195,7 +195,30 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
         network_interface: args.network_interface.clone(),
         rendezvous_host,
         start_timeout,
+        extra_env: timeline_env(args)?,
     })
+}
+
+/// Starts a fresh timeline file for `--timeline-filename` and names it to the workers.
+fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
+    let Some(path) = &args.timeline else {
+        return Ok(Vec::new());
+    };
+    std::fs::write(path, "[\n")
+        .with_context(|| format!("--timeline-filename {}", path.display()))?;
+    let abs = std::path::absolute(path)
+        .with_context(|| format!("--timeline-filename {}", path.display()))?;
+    let mut env = vec![(
+        hvd_rendezvous::ENV_TIMELINE.to_string(),
+        abs.display().to_string(),
+    )];
+    if args.timeline_mark_cycles {
+        env.push((
+            hvd_rendezvous::ENV_TIMELINE_MARK_CYCLES.to_string(),
+            "1".into(),
+        ));
+    }
+    Ok(env)
 }
 
 fn positive(v: f64, name: &str) -> anyhow::Result<Duration> {
@@ -295,6 +318,7 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
         network_interface: args.network_interface.clone(),
         rendezvous_host,
         rendezvous_bind,
+        extra_env: timeline_env(args)?,
     })
 }
 

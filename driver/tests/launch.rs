@@ -415,3 +415,49 @@ fn output_filename_writes_one_log_per_rank() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_timeline_records_every_rank_s_engine_ops() {
+    let bench = probe().replace("hvd_probe", "fusion_bench");
+    let path = std::env::temp_dir().join(format!("hvd-timeline-test-{}.json", std::process::id()));
+    let p = path.display().to_string();
+    let out = run(&[
+        "-np",
+        "2",
+        "-H",
+        "127.0.0.2:1,127.0.0.3:1",
+        "--timeline-filename",
+        &p,
+        "--timeline-mark-cycles",
+        &bench,
+        "--tensors",
+        "12",
+        "--elems",
+        "200000",
+        "--iters",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let trace = std::fs::read_to_string(&path).expect("timeline written");
+    let _ = std::fs::remove_file(&path);
+    let closed = format!("{}]", trace.trim_end().trim_end_matches(','));
+    let events: Vec<serde_json::Value> = serde_json::from_str(&closed).expect("a JSON trace");
+    for rank in [0, 1] {
+        for phase in ["NEGOTIATE_ALLREDUCE", "CYCLE"] {
+            assert!(
+                events
+                    .iter()
+                    .any(|e| e["pid"] == rank && e["name"] == phase),
+                "rank {rank} has no {phase} event"
+            );
+        }
+        assert!(
+            events.iter().any(|e| e["pid"] == rank
+                && e["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("ALLREDUCE"))
+                && e["tid"] == "step1/grad3"),
+            "rank {rank}: no transport span for step1/grad3"
+        );
+    }
+}

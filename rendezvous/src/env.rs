@@ -28,6 +28,10 @@ pub const ENV_COLLECTIVE_TIMEOUT: &str = "HVD_COLLECTIVE_TIMEOUT";
 pub const ENV_ARRIVAL_TIMEOUT: &str = "HVD_ARRIVAL_TIMEOUT";
 /// Seconds a worker waits for the rendezvous (the driver's `--start-timeout`).
 pub const ENV_START_TIMEOUT: &str = "HOROVOD_START_TIMEOUT";
+/// File every rank appends its engine timeline to (a Chrome trace; `--timeline-filename`).
+pub const ENV_TIMELINE: &str = "HOROVOD_TIMELINE";
+/// Set to `1` to mark every engine cycle on the timeline (`--timeline-mark-cycles`).
+pub const ENV_TIMELINE_MARK_CYCLES: &str = "HOROVOD_TIMELINE_MARK_CYCLES";
 /// Set to `0` to keep ranks of one host from reading each other's buffers directly (they
 /// then use TCP, as between hosts).
 pub const ENV_SAME_HOST_COPY: &str = "HVD_SAME_HOST_COPY";

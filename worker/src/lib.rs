@@ -27,13 +27,14 @@ mod error;
 mod launch;
 
 use std::net::TcpListener;
+use std::sync::Arc;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 pub use error::{Error, Result};
 pub use hvd_collectives::{
     AbortHandle, CommError, Communicator, DType, Element, Engine, EngineConfig, Handle, ReduceOp,
-    bf16, f16,
+    Timeline, bf16, f16,
 };
 pub use hvd_rendezvous::Placement;
 pub use launch::{Env, Launch, ProcessEnv};
@@ -88,6 +89,8 @@ struct Context {
     session: Option<Session>,
     /// The communicator is lent to a background engine.
     engine_active: bool,
+    /// Where this rank records its timeline (`HOROVOD_TIMELINE`).
+    timeline: Option<Arc<Timeline>>,
 }
 
 static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
@@ -133,6 +136,7 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
             comm: Some(Communicator::single()),
             session: None,
             engine_active: false,
+            timeline: open_timeline(env, 0),
         });
         return Ok(());
     };
@@ -146,13 +150,33 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
         updates_through: 0,
     };
     let (topology, comm) = enter(&mut session, round)?;
+    let timeline = open_timeline(env, topology.rank);
     *ctx = Some(Context {
         topology,
         comm: Some(comm),
         session: Some(session),
         engine_active: false,
+        timeline,
     });
     Ok(())
+}
+
+/// Opens the timeline file the launcher named, if any; a file that can't be opened is logged
+/// and training goes on without it.
+fn open_timeline(env: &dyn Env, rank: usize) -> Option<Arc<Timeline>> {
+    let path = env
+        .var(hvd_rendezvous::ENV_TIMELINE)
+        .filter(|p| !p.is_empty())?;
+    let mark = env
+        .var(hvd_rendezvous::ENV_TIMELINE_MARK_CYCLES)
+        .is_some_and(|v| v.trim() == "1");
+    match Timeline::open(std::path::Path::new(&path), rank, mark) {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) => {
+            tracing::warn!(%path, error = %e, "cannot write the timeline; continuing without it");
+            None
+        }
+    }
 }
 
 /// Connects the world of a completed round.
@@ -186,14 +210,16 @@ fn enter(session: &mut Session, round: client::Round) -> Result<(Topology, Commu
 /// context lock is not held while waiting, so collectives called meanwhile from other threads
 /// fail with [`Error::MembershipChanging`] instead of blocking.
 pub(crate) fn rejoin(reason: &str) -> Result<()> {
-    let mut session = {
+    let started = std::time::Instant::now();
+    let (mut session, timeline) = {
         let mut ctx = context();
         let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
         c.comm = None;
         // An engine on the old communicator fails its ops from now on; the new round's
         // communicator serves the synchronous collectives.
         c.engine_active = false;
-        c.session.take().ok_or(Error::NotElastic)?
+        let s = c.session.take().ok_or(Error::NotElastic)?;
+        (s, c.timeline.clone())
     };
     let result = session
         .client
@@ -203,6 +229,18 @@ pub(crate) fn rejoin(reason: &str) -> Result<()> {
     let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
     let generation = session.generation;
     c.session = Some(session);
+    if let Some(t) = &timeline {
+        let outcome = if result.is_ok() { "joined" } else { "failed" };
+        let args =
+            format!("\"generation\":{generation},\"reason\":{reason:?},\"outcome\":\"{outcome}\"");
+        t.span(
+            "elastic",
+            "RENDEZVOUS_AND_RING_REBUILD",
+            started,
+            std::time::Instant::now(),
+            &args,
+        );
+    }
     let (topology, comm) = result?;
     c.topology = topology;
     c.comm = Some(comm);
@@ -318,6 +356,10 @@ pub fn start_engine(cfg: EngineConfig) -> Result<Engine> {
     }
     let comm = c.comm.take().ok_or(Error::MembershipChanging)?;
     c.engine_active = true;
+    let mut cfg = cfg;
+    if cfg.timeline.is_none() {
+        cfg.timeline = c.timeline.clone();
+    }
     Ok(Engine::start(comm, cfg)?)
 }
 

@@ -52,6 +52,8 @@ pub struct ElasticSpec {
     pub rendezvous_host: String,
     /// How long a worker has to register (passed to workers as their connect timeout).
     pub start_timeout: Duration,
+    /// More variables for every worker (the timeline's).
+    pub extra_env: Vec<(String, String)>,
 }
 
 /// How the job ended: the code `horovodrun` exits with and what it prints.
@@ -140,6 +142,7 @@ impl Driver {
         if let Some(i) = &self.spec.network_interface {
             env.push((rv::ENV_NETWORK_INTERFACE.into(), i.clone()));
         }
+        env.extend(self.spec.extra_env.iter().cloned());
         env
     }
 
