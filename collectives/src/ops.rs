@@ -384,21 +384,47 @@ impl Communicator {
         let mut mine = desc::<T>(Kind::Broadcast, None, seq, buf.len());
         mine.root = u32::try_from(root).unwrap_or(u32::MAX);
         let small = self.is_small(bytes);
+        // On one host the root's buffer is read in place; its address rides in its descriptor.
+        let direct = !small && self.cma.is_some();
+        let word = (buf.as_ptr() as u64).to_le_bytes();
         if small && r == root {
             mine.payload_len = bytes as u64;
+        } else if direct && r == root {
+            mine.payload_len = word.len() as u64;
         }
         let mut inbox: Vec<T> = Vec::new();
+        let mut root_addr = 0usize;
         {
-            let payload: &[u8] = bytemuck::cast_slice(buf);
+            let payload: &[u8] = if direct {
+                &word
+            } else {
+                bytemuck::cast_slice(buf)
+            };
             self.open(
                 mine,
                 local,
                 |_| (mine, payload),
                 |p, d, rd| {
+                    if direct && p == root && d.payload_len == 8 {
+                        let mut b = [0u8; 8];
+                        crate::link::read_full(rd, &mut b)?;
+                        root_addr = usize::try_from(u64::from_le_bytes(b)).unwrap_or(0);
+                        return Ok(());
+                    }
                     let expected = small && p == root && d.agrees_with(&mine);
                     take_payload(rd, d, expected, &mut inbox)
                 },
             )?;
+        }
+        if let (true, Some(pids)) = (direct, self.cma.clone()) {
+            if r != root {
+                let raw: &mut [u8] = bytemuck::cast_slice_mut(buf);
+                if let Err(e) = crate::cma::read_remote(pids[root], root_addr, raw) {
+                    return Err(self.fail(left_collective(root, "broadcast", &e)));
+                }
+            }
+            // The root's buffer stays untouched until every rank has read it.
+            return self.barrier();
         }
         if small {
             if r != root {
