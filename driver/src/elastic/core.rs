@@ -9,7 +9,7 @@
 //! after old ones, ties broken by name), so rank 0 is always a worker of the previous round
 //! and holds its newest committed state.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
 use hvd_discovery::{Blacklist, CooldownRange, HostSpec};
@@ -191,6 +191,8 @@ pub struct Core {
     /// Hosts as of the last announcement, to name what was added and removed.
     announced_hosts: BTreeSet<String>,
     finished: bool,
+    /// Live workers by slot `(host, local_rank)`.
+    live_at: HashMap<(String, usize), WorkerId>,
     /// The reason of the last failed discovery poll, while polls keep failing.
     discovery_error: Option<String>,
 }
@@ -224,6 +226,7 @@ impl Core {
             next_update: 1,
             announced_hosts: BTreeSet::new(),
             finished: false,
+            live_at: HashMap::new(),
             discovery_error: None,
         }
     }
@@ -493,27 +496,33 @@ impl Core {
 
     /// The assignment the available hosts give now; `None` below `--min-np`.
     fn target(&self) -> Option<Vec<SlotInfo>> {
+        self.target_with(|_, slots| slots)
+    }
+
+    /// [`Core::target`] with each host's slots limited by `limit(host, discovered slots)`.
+    fn target_with(&self, limit: impl Fn(&str, usize) -> usize) -> Option<Vec<SlotInfo>> {
         // Hosts with a surviving worker of the last round come first, so rank 0 holds its
         // newest commit; a host that came back (slots again, cooldown over) is new.
-        let survives = |h: &String| {
-            self.current.iter().any(|m| {
-                self.workers
-                    .get(m)
-                    .is_some_and(|w| (w.live() || w.phase == Phase::Finished) && &w.host == h)
-            })
-        };
+        let surviving: HashSet<&str> = self
+            .current
+            .iter()
+            .filter_map(|m| self.workers.get(m))
+            .filter(|w| w.live() || w.phase == Phase::Finished)
+            .map(|w| w.host.as_str())
+            .collect();
         let (old, new): (Vec<&String>, Vec<&String>) = self
             .order
             .iter()
             .filter(|h| self.available(h))
-            .partition(|h| survives(h));
+            .partition(|h| surviving.contains(h.as_str()));
         let hosts: Vec<HostSlots> = old
             .into_iter()
             .chain(new)
             .map(|h| HostSlots {
                 host: h.clone(),
-                slots: self.discovered.get(h).copied().unwrap_or(0),
+                slots: limit(h, self.discovered.get(h).copied().unwrap_or(0)),
             })
+            .filter(|h| h.slots > 0)
             .collect();
         let total: usize = hosts.iter().map(|h| h.slots).sum();
         let need = if self.generation == 0 {
@@ -532,15 +541,29 @@ impl Core {
     }
 
     fn worker_at(&self, host: &str, local_rank: usize) -> Option<WorkerId> {
+        self.live_at
+            .get(&(host.to_string(), local_rank))
+            .copied()
+            .filter(|id| self.workers.get(id).is_some_and(Worker::live))
+    }
+
+    /// Rebuilds the slot index and forgets workers that are gone and matter to no round.
+    fn reindex(&mut self) {
+        let current: HashSet<WorkerId> = self.current.iter().copied().collect();
         self.workers
+            .retain(|id, w| w.phase != Phase::Exited || current.contains(id));
+        self.live_at = self
+            .workers
             .iter()
-            .find(|(_, w)| w.live() && w.host == host && w.local_rank == local_rank)
-            .map(|(id, _)| *id)
+            .filter(|(_, w)| w.live())
+            .map(|(id, w)| ((w.host.clone(), w.local_rank), *id))
+            .collect();
     }
 
     fn start(&mut self, now: Duration, host: &str, local_rank: usize, out: &mut Vec<Action>) {
         let id = self.next_worker;
         self.next_worker += 1;
+        self.live_at.insert((host.to_string(), local_rank), id);
         self.workers.insert(
             id,
             Worker {
@@ -565,6 +588,7 @@ impl Core {
     }
 
     fn step(&mut self, now: Duration, out: &mut Vec<Action>) {
+        self.reindex();
         for r in self.blacklist.expire(now) {
             tracing::info!(host = %r.host, failures = r.failures, "host's blacklist cooldown is over; it rejoins when discovery lists it");
         }
@@ -633,6 +657,29 @@ impl Core {
         if self.waiting_since.take().is_some() && self.generation > 0 {
             tracing::info!(slots = self.slots_available(), "enough slots again");
         }
+        // Recovery does not wait for workers still starting: a round after the first takes
+        // the slots whose workers are connected (on each host, its first slots up to the first
+        // that is not), when they are enough; the others join through a later change.
+        let wanted: HashSet<(String, usize)> = Self::slots_of(&target).into_iter().collect();
+        let target = if self.generation > 0 {
+            let ready = |host: &str, slots: usize| {
+                (0..slots)
+                    .take_while(|&k| {
+                        self.worker_at(host, k).is_some_and(|id| {
+                            self.workers
+                                .get(&id)
+                                .is_some_and(|w| matches!(w.phase, Phase::Ready | Phase::Running))
+                        })
+                    })
+                    .count()
+            };
+            match self.target_with(ready) {
+                Some(t) if !t.is_empty() => t,
+                _ => target,
+            }
+        } else {
+            target
+        };
         let mut members = Vec::with_capacity(target.len());
         for s in &target {
             match self.worker_at(&s.host, s.local_rank) {
@@ -655,7 +702,11 @@ impl Core {
         let outside: Vec<WorkerId> = self
             .workers
             .iter()
-            .filter(|(id, w)| w.live() && !members.contains(id))
+            .filter(|(id, w)| {
+                w.live()
+                    && !members.contains(id)
+                    && !wanted.contains(&(w.host.clone(), w.local_rank))
+            })
             .map(|(id, _)| *id)
             .collect();
         for id in outside {
