@@ -319,8 +319,9 @@ impl Core {
         out.push(Action::Finish { code, message });
     }
 
-    fn available(&self, host: &str) -> bool {
-        self.discovered.get(host).is_some_and(|&s| s > 0) && self.order.iter().any(|h| h == host)
+    /// Whether a host of the order offers slots (the order holds only usable hosts).
+    fn has_slots(&self, host: &str) -> bool {
+        self.discovered.get(host).is_some_and(|&s| s > 0)
     }
 
     fn discovered(&mut self, now: Duration, hosts: Vec<HostSpec>) {
@@ -348,10 +349,11 @@ impl Core {
 
     /// Appends discovered, non-blacklisted hosts missing from the order, by name.
     fn append_new_hosts(&mut self, now: Duration) {
+        let known: HashSet<&str> = self.order.iter().map(String::as_str).collect();
         let fresh: Vec<String> = self
             .discovered
             .keys()
-            .filter(|h| !self.order.contains(h) && !self.blacklist.is_blacklisted(h, now))
+            .filter(|h| !known.contains(h.as_str()) && !self.blacklist.is_blacklisted(h, now))
             .cloned()
             .collect();
         self.order.extend(fresh);
@@ -513,7 +515,7 @@ impl Core {
         let (old, new): (Vec<&String>, Vec<&String>) = self
             .order
             .iter()
-            .filter(|h| self.available(h))
+            .filter(|h| self.has_slots(h))
             .partition(|h| surviving.contains(h.as_str()));
         let hosts: Vec<HostSlots> = old
             .into_iter()
@@ -582,7 +584,7 @@ impl Core {
     fn slots_available(&self) -> usize {
         self.order
             .iter()
-            .filter(|h| self.available(h))
+            .filter(|h| self.has_slots(h))
             .map(|h| self.discovered.get(h).copied().unwrap_or(0))
             .sum()
     }
@@ -758,18 +760,13 @@ impl Core {
         self.current = members;
         // The round's host order becomes the job's: hosts keep the place they trained at.
         let mut order: Vec<String> = Vec::with_capacity(self.order.len());
+        let mut placed: HashSet<String> = HashSet::new();
         for h in target.iter().map(|s| &s.host) {
-            if !order.contains(h) {
+            if placed.insert(h.clone()) {
                 order.push(h.clone());
             }
         }
-        order.extend(
-            self.order
-                .iter()
-                .filter(|h| !order.contains(h))
-                .cloned()
-                .collect::<Vec<_>>(),
-        );
+        order.extend(self.order.iter().filter(|h| !placed.contains(*h)).cloned());
         self.order = order;
         self.announced = Some(Self::slots_of(&target));
         self.announced_hosts = hosts.into_iter().collect();
