@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use hvd::{EngineConfig, ReduceOp};
+use hvd::ReduceOp;
 
 #[derive(Parser)]
 struct Args {
@@ -24,12 +24,12 @@ struct Args {
     /// Timed repetitions (the median is reported).
     #[arg(long, default_value_t = 5)]
     iters: usize,
-    /// Engine cycle in milliseconds.
-    #[arg(long, default_value_t = 1.0)]
-    cycle_ms: f64,
-    /// Fusion buffer in MiB (0 disables fusion).
-    #[arg(long, default_value_t = 128)]
-    fusion_mb: usize,
+    /// Engine cycle in milliseconds (default: `HOROVOD_CYCLE_TIME`, else 1).
+    #[arg(long)]
+    cycle_ms: Option<f64>,
+    /// Fusion buffer in MiB, 0 disables fusion (default: `HOROVOD_FUSION_THRESHOLD`, else 128).
+    #[arg(long)]
+    fusion_mb: Option<usize>,
 }
 
 /// Tensor lengths between 16 Ki and 1 Mi elements (64 KiB to 4 MiB of f32), log-spread and
@@ -74,11 +74,14 @@ fn main() -> anyhow::Result<()> {
             single.push(t.elapsed());
         }
     }
-    let cfg = EngineConfig {
-        cycle: Duration::from_secs_f64(args.cycle_ms / 1000.0),
-        fusion_bytes: args.fusion_mb << 20,
-        ..EngineConfig::default()
-    };
+    let mut cfg = hvd::engine_config()?;
+    if let Some(ms) = args.cycle_ms {
+        cfg.cycle = Duration::from_secs_f64(ms / 1000.0);
+    }
+    if let Some(mb) = args.fusion_mb {
+        cfg.fusion_bytes = mb << 20;
+    }
+    let (cycle_ms, fusion_mb) = (cfg.cycle.as_secs_f64() * 1e3, cfg.fusion_bytes >> 20);
     let engine = hvd::start_engine(cfg)?;
     let mut burst = Vec::new();
     for i in 0..=args.iters {
@@ -114,8 +117,8 @@ fn main() -> anyhow::Result<()> {
             args.elems * 4 / 1_000_000,
             s.as_secs_f64() * 1e3,
             args.tensors,
-            args.fusion_mb,
-            args.cycle_ms,
+            fusion_mb,
+            cycle_ms,
             b.as_secs_f64() * 1e3,
             b.as_secs_f64() / s.as_secs_f64()
         );

@@ -98,6 +98,14 @@ pub struct Args {
     #[arg(long = "timeline-mark-cycles")]
     pub timeline_mark_cycles: bool,
 
+    /// Milliseconds between the background engine's cycles (env HOROVOD_CYCLE_TIME).
+    #[arg(long = "cycle-time-ms", value_name = "MS")]
+    pub cycle_time_ms: Option<f64>,
+
+    /// Largest fusion buffer in MiB, 0 to disable fusion (env HOROVOD_FUSION_THRESHOLD).
+    #[arg(long = "fusion-threshold-mb", value_name = "MB")]
+    pub fusion_threshold_mb: Option<f64>,
+
     /// The training program and its arguments.
     #[arg(required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -129,6 +137,8 @@ const VALUE_FLAGS: &[&str] = &[
     "--discovery-interval",
     "--discovery-timeout",
     "--timeline-filename",
+    "--cycle-time-ms",
+    "--fusion-threshold-mb",
 ];
 
 /// Flags that take two values.

@@ -199,19 +199,42 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
     })
 }
 
-/// Starts a fresh timeline file for `--timeline-filename` and names it to the workers.
+/// The engine and timeline settings the workers get: `--cycle-time-ms`,
+/// `--fusion-threshold-mb`, and a fresh timeline file for `--timeline-filename`.
 fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
+    let mut env = Vec::new();
+    for (flag, value, var, scale) in [
+        (
+            "--cycle-time-ms",
+            args.cycle_time_ms,
+            hvd_rendezvous::ENV_CYCLE_TIME,
+            1.0,
+        ),
+        (
+            "--fusion-threshold-mb",
+            args.fusion_threshold_mb,
+            hvd_rendezvous::ENV_FUSION_THRESHOLD,
+            1024.0 * 1024.0,
+        ),
+    ] {
+        if let Some(v) = value {
+            if !(v.is_finite() && v >= 0.0) {
+                bail!("{flag} must be a non-negative number, not {v}");
+            }
+            env.push((var.to_string(), format!("{}", v * scale)));
+        }
+    }
     let Some(path) = &args.timeline else {
-        return Ok(Vec::new());
+        return Ok(env);
     };
     std::fs::write(path, "[\n")
         .with_context(|| format!("--timeline-filename {}", path.display()))?;
     let abs = std::path::absolute(path)
         .with_context(|| format!("--timeline-filename {}", path.display()))?;
-    let mut env = vec![(
+    env.push((
         hvd_rendezvous::ENV_TIMELINE.to_string(),
         abs.display().to_string(),
-    )];
+    ));
     if args.timeline_mark_cycles {
         env.push((
             hvd_rendezvous::ENV_TIMELINE_MARK_CYCLES.to_string(),

@@ -28,6 +28,12 @@ pub const ENV_COLLECTIVE_TIMEOUT: &str = "HVD_COLLECTIVE_TIMEOUT";
 pub const ENV_ARRIVAL_TIMEOUT: &str = "HVD_ARRIVAL_TIMEOUT";
 /// Seconds a worker waits for the rendezvous (the driver's `--start-timeout`).
 pub const ENV_START_TIMEOUT: &str = "HOROVOD_START_TIMEOUT";
+/// Milliseconds between background engine cycles (Horovod's name; `--cycle-time-ms`).
+pub const ENV_CYCLE_TIME: &str = "HOROVOD_CYCLE_TIME";
+/// Largest fusion buffer in bytes, 0 to disable fusion (Horovod's name; `--fusion-threshold-mb`).
+pub const ENV_FUSION_THRESHOLD: &str = "HOROVOD_FUSION_THRESHOLD";
+/// Seconds an op may wait for every rank to submit it (Horovod's stall check).
+pub const ENV_STALL_CHECK_TIME: &str = "HOROVOD_STALL_CHECK_TIME_SECONDS";
 /// File every rank appends its engine timeline to (a Chrome trace; `--timeline-filename`).
 pub const ENV_TIMELINE: &str = "HOROVOD_TIMELINE";
 /// Set to `1` to mark every engine cycle on the timeline (`--timeline-mark-cycles`).

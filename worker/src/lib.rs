@@ -341,6 +341,45 @@ pub fn is_homogeneous() -> Result<bool> {
     Ok(topology()?.homogeneous)
 }
 
+/// The engine settings from the launcher's environment (`HOROVOD_CYCLE_TIME` in ms,
+/// `HOROVOD_FUSION_THRESHOLD` in bytes, `HOROVOD_STALL_CHECK_TIME_SECONDS`), defaults otherwise.
+///
+/// # Errors
+/// [`Error::Env`] naming a variable that is not a non-negative number.
+pub fn engine_config() -> Result<EngineConfig> {
+    engine_config_from(&ProcessEnv)
+}
+
+/// [`engine_config`] reading from `env`.
+///
+/// # Errors
+/// As [`engine_config`].
+pub fn engine_config_from(env: &dyn Env) -> Result<EngineConfig> {
+    let number = |var: &'static str| -> Result<Option<f64>> {
+        match env.var(var) {
+            None => Ok(None),
+            Some(v) => match v.trim().parse::<f64>() {
+                Ok(x) if x.is_finite() && x >= 0.0 => Ok(Some(x)),
+                _ => Err(Error::Env {
+                    var,
+                    detail: format!("'{v}' is not a non-negative number"),
+                }),
+            },
+        }
+    };
+    let mut cfg = EngineConfig::default();
+    if let Some(ms) = number(hvd_rendezvous::ENV_CYCLE_TIME)? {
+        cfg.cycle = Duration::from_secs_f64(ms / 1000.0);
+    }
+    if let Some(b) = number(hvd_rendezvous::ENV_FUSION_THRESHOLD)? {
+        cfg.fusion_bytes = b as usize;
+    }
+    if let Some(s) = number(hvd_rendezvous::ENV_STALL_CHECK_TIME)? {
+        cfg.stall_timeout = Duration::from_secs_f64(s);
+    }
+    Ok(cfg)
+}
+
 /// Hands the communicator to a background [`Engine`]: named, asynchronous allreduces
 /// ([`Engine::allreduce_async`]) matched across ranks by name and fused. Synchronous
 /// collectives fail with [`Error::EngineActive`] until [`stop_engine`] gives it back.

@@ -26,3 +26,25 @@ fn synchronous_calls_fail_clearly_while_the_engine_holds_the_communicator() {
     assert_eq!(x, [2.0]);
     hvd::shutdown().unwrap();
 }
+
+#[test]
+fn engine_settings_come_from_horovod_s_variables() {
+    use std::collections::HashMap;
+    use std::time::Duration;
+    let env: HashMap<String, String> = [
+        ("HOROVOD_CYCLE_TIME", "2.5"),
+        ("HOROVOD_FUSION_THRESHOLD", "0"),
+        ("HOROVOD_STALL_CHECK_TIME_SECONDS", "7"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let cfg = hvd::engine_config_from(&env).unwrap();
+    assert_eq!(cfg.cycle, Duration::from_micros(2500));
+    assert_eq!(cfg.fusion_bytes, 0);
+    assert_eq!(cfg.stall_timeout, Duration::from_secs(7));
+    let bad: HashMap<String, String> =
+        [("HOROVOD_CYCLE_TIME".to_string(), "-1".to_string())].into();
+    let e = hvd::engine_config_from(&bad).unwrap_err().to_string();
+    assert!(e.contains("HOROVOD_CYCLE_TIME") && e.contains("-1"), "{e}");
+}
