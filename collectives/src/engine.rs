@@ -97,12 +97,31 @@ struct Request {
     reply: Reply,
 }
 
+/// How a tensor travels between ranks (Horovod's `Compression`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compression {
+    /// As it is.
+    #[default]
+    None,
+    /// As IEEE half precision: half the bytes on the wire, about three significant digits.
+    Fp16,
+}
+
+type Convert = fn(Box<dyn Any + Send>) -> Option<Box<dyn Any + Send>>;
+
+fn f16_to_f32(any: Box<dyn Any + Send>) -> Option<Box<dyn Any + Send>> {
+    let v = any.downcast::<Vec<half::f16>>().ok()?;
+    Some(Box::new(v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>()))
+}
+
 /// The pending result of an asynchronous op.
 #[derive(Debug)]
 pub struct Handle<T> {
     rx: mpsc::Receiver<Result<Box<dyn Any + Send>>>,
     name: String,
     done: Option<Result<Vec<T>>>,
+    /// Turns what the engine returns into `Vec<T>` (decompression).
+    convert: Option<Convert>,
 }
 
 impl<T: Element> Handle<T> {
@@ -111,12 +130,17 @@ impl<T: Element> Handle<T> {
         msg: std::result::Result<Result<Box<dyn Any + Send>>, ()>,
     ) -> Result<Vec<T>> {
         match msg {
-            Ok(Ok(any)) => any
-                .downcast::<Vec<T>>()
-                .map(|b| *b)
-                .map_err(|_| CommError::Broken {
-                    cause: format!("op '{}' came back with another element type", self.name),
-                }),
+            Ok(Ok(any)) => {
+                let any = match self.convert {
+                    Some(f) => f(any),
+                    None => Some(any),
+                };
+                any.and_then(|a| a.downcast::<Vec<T>>().ok())
+                    .map(|b| *b)
+                    .ok_or_else(|| CommError::Broken {
+                        cause: format!("op '{}' came back with another element type", self.name),
+                    })
+            }
             Ok(Err(e)) => Err(e),
             Err(()) => Err(CommError::Broken {
                 cause: format!("the engine stopped before op '{}' ran", self.name),
@@ -212,6 +236,32 @@ impl Engine {
             rx,
             name: name.to_string(),
             done: None,
+            convert: None,
+        }
+    }
+
+    /// [`Engine::allreduce_async`] of an f32 tensor sent as `compression` says; the result
+    /// comes back as f32.
+    pub fn allreduce_async_f32(
+        &self,
+        name: &str,
+        tensor: Vec<f32>,
+        op: ReduceOp,
+        compression: Compression,
+    ) -> Handle<f32> {
+        match compression {
+            Compression::None => self.allreduce_async(name, tensor, op),
+            Compression::Fp16 => {
+                let halves: Vec<half::f16> =
+                    tensor.iter().map(|&x| half::f16::from_f32(x)).collect();
+                let h = self.allreduce_async(name, halves, op);
+                Handle {
+                    rx: h.rx,
+                    name: h.name,
+                    done: None,
+                    convert: Some(f16_to_f32),
+                }
+            }
         }
     }
 

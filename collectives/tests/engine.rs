@@ -165,3 +165,24 @@ fn a_dead_peer_fails_every_pending_op_and_later_ones() {
         assert!(took < Duration::from_secs(5), "{took:?}");
     }
 }
+
+#[test]
+fn fp16_compression_halves_the_wire_and_keeps_three_digits() {
+    use hvd_collectives::Compression;
+    let out = world(3, |comm| {
+        let r = comm.rank();
+        let e = engine(comm, EngineConfig::default());
+        let x: Vec<f32> = (0..20_000)
+            .map(|i| (i as f32 * 0.37 + r as f32).sin())
+            .collect();
+        let exact = e.allreduce_async_f32("exact", x.clone(), ReduceOp::Sum, Compression::None);
+        let half = e.allreduce_async_f32("half", x, ReduceOp::Sum, Compression::Fp16);
+        (exact.wait().unwrap(), half.wait().unwrap())
+    });
+    for (exact, half) in out {
+        assert_eq!(exact.len(), half.len());
+        for (a, b) in exact.iter().zip(&half) {
+            assert!((a - b).abs() <= 0.01 + a.abs() * 3e-3, "{a} vs {b}");
+        }
+    }
+}

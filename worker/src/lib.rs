@@ -33,8 +33,8 @@ use std::time::Duration;
 
 pub use error::{Error, Result};
 pub use hvd_collectives::{
-    AbortHandle, CommError, Communicator, DType, Element, Engine, EngineConfig, Handle, ReduceOp,
-    Timeline, bf16, f16,
+    AbortHandle, CommError, Communicator, Compression, DType, Element, Engine, EngineConfig,
+    Handle, ReduceOp, Timeline, bf16, f16,
 };
 pub use hvd_rendezvous::Placement;
 pub use launch::{Env, Launch, ProcessEnv};
