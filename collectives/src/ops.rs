@@ -209,33 +209,24 @@ impl Communicator {
         let blocks = block_bounds(buf.len(), n);
         let (lo, hi) = (blocks[r], blocks[r + 1]);
         let chunk = (SAME_HOST_CHUNK / elem).max(1).min(hi - lo);
-        let mut acc: Vec<T> = vec![bytemuck::Zeroable::zeroed(); chunk];
-        let mut tmp = acc.clone();
+        // Block r is computed by rank r alone, so accumulating into it in place (own values
+        // first) gives every rank the same bits.
+        let mut tmp: Vec<T> = vec![bytemuck::Zeroable::zeroed(); chunk];
         let mut failed = None;
         let mut at = lo;
         'reduce: while at < hi {
             let len = chunk.min(hi - at);
-            for p in 0..n {
-                let src: &[T] = if p == r {
-                    &buf[at..at + len]
-                } else {
-                    let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut tmp[..len]);
-                    if let Err(e) = crate::cma::read_remote(pids[p], addrs[p] + at * elem, dst) {
-                        failed = Some((p, e));
-                        break 'reduce;
-                    }
-                    &tmp[..len]
-                };
-                if p == 0 {
-                    acc[..len].copy_from_slice(src);
-                } else {
-                    T::reduce_into(&mut acc[..len], src, op.combining());
+            for p in (0..n).filter(|&p| p != r) {
+                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut tmp[..len]);
+                if let Err(e) = crate::cma::read_remote(pids[p], addrs[p] + at * elem, dst) {
+                    failed = Some((p, e));
+                    break 'reduce;
                 }
+                T::reduce_into(&mut buf[at..at + len], &tmp[..len], op.combining());
             }
             if op == ReduceOp::Average {
-                T::divide(&mut acc[..len], n);
+                T::divide(&mut buf[at..at + len], n);
             }
-            buf[at..at + len].copy_from_slice(&acc[..len]);
             at += len;
         }
         if let Some((p, e)) = failed {
