@@ -32,6 +32,9 @@ struct Args {
     /// Sleep this long before init.
     #[arg(long, default_value_t = 0)]
     delay_ms: u64,
+    /// Also allreduce the ranks within a process set of the even ranks, printing the sum.
+    #[arg(long)]
+    process_set: bool,
     /// Lines to print on stdout and on stderr.
     #[arg(long, default_value_t = 1)]
     lines: usize,
@@ -61,6 +64,20 @@ fn main() -> anyhow::Result<()> {
     let want = (t.size * (t.size + 1) / 2) as i64;
     if v.iter().any(|&x| x != want) {
         bail!("allreduce gave {} where {want} was expected", v[0]);
+    }
+    if args.process_set {
+        let evens: Vec<usize> = (0..t.size).step_by(2).collect();
+        let set = hvd::add_process_set(&evens)?;
+        let mut v = [t.rank as i64];
+        match hvd::allreduce_on(&set, &mut v, ReduceOp::Sum) {
+            Ok(()) => println!(
+                "{}",
+                serde_json::json!({"event": "process_set", "rank": t.rank, "sum": v[0]})
+            ),
+            Err(hvd::Error::NotInProcessSet { .. }) if t.rank % 2 == 1 => {}
+            Err(e) => return Err(e).context("allreduce in the process set"),
+        }
+        hvd::remove_process_set(&set)?;
     }
     if args.allreduce_loop {
         let mut buf = vec![1.0f32; 1 << 18];

@@ -461,3 +461,32 @@ fn the_timeline_records_every_rank_s_engine_ops() {
         );
     }
 }
+
+#[test]
+fn a_process_set_reduces_among_its_members_only() {
+    let out = run(&[
+        "-np",
+        "4",
+        "-H",
+        "127.0.0.2:2,127.0.0.3:2",
+        &probe(),
+        "--process-set",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let sums: Vec<(i64, i64)> = stdout
+        .lines()
+        .filter_map(|l| l.split_once(":{").map(|(_, j)| format!("{{{j}")))
+        .filter_map(|j| serde_json::from_str::<serde_json::Value>(&j).ok())
+        .filter(|v| v["event"] == "process_set")
+        .map(|v| {
+            (
+                v["rank"].as_i64().unwrap_or(-1),
+                v["sum"].as_i64().unwrap_or(-1),
+            )
+        })
+        .collect();
+    let mut sums = sums;
+    sums.sort_unstable();
+    assert_eq!(sums, vec![(0, 2), (2, 2)], "{stdout}");
+}

@@ -262,6 +262,7 @@ pub fn run<S: Syncable, R>(
     loop {
         let result = state.sync().and_then(|()| {
             if reset {
+                crate::process_set::restore()?;
                 let topology = crate::topology()?;
                 for cb in &mut state.callbacks {
                     cb(&topology);

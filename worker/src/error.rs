@@ -56,6 +56,19 @@ pub enum Error {
         "the background engine holds the communicator: use its async ops, or hvd::stop_engine first"
     )]
     EngineActive,
+    /// This rank is not a member of the process set it used.
+    #[error("rank {rank} is not in process set {set} (ranks {ranks:?})")]
+    NotInProcessSet {
+        /// This rank.
+        rank: usize,
+        /// The set's id.
+        set: u32,
+        /// Its members.
+        ranks: Vec<usize>,
+    },
+    /// A process set's definition is invalid, or it no longer exists.
+    #[error("process set: {0}")]
+    ProcessSet(String),
     /// An elastic call in a process that no elastic launcher started.
     #[error("not an elastic job: run it under horovodrun with --min-np or --host-discovery-script")]
     NotElastic,

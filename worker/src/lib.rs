@@ -25,6 +25,7 @@ mod client;
 pub mod elastic;
 mod error;
 mod launch;
+mod process_set;
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -38,6 +39,9 @@ pub use hvd_collectives::{
 };
 pub use hvd_rendezvous::Placement;
 pub use launch::{Env, Launch, ProcessEnv};
+pub use process_set::{
+    ProcessSet, add_process_set, allreduce_on, process_sets, remove_process_set, with_process_set,
+};
 
 /// This process's place in the job: the six Horovod numbers (through `Deref`, so
 /// `topology.rank` works) and whether the hosts are homogeneous.
@@ -79,6 +83,8 @@ struct Session {
     client: client::Client,
     generation: u64,
     updates_through: u64,
+    /// Every rank's listener address in the current round.
+    peers: Vec<std::net::SocketAddr>,
 }
 
 struct Context {
@@ -91,6 +97,8 @@ struct Context {
     engine_active: bool,
     /// Where this rank records its timeline (`HOROVOD_TIMELINE`).
     timeline: Option<Arc<Timeline>>,
+    /// Process sets of this round.
+    sets: process_set::Sets,
 }
 
 static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
@@ -137,6 +145,7 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
             session: None,
             engine_active: false,
             timeline: open_timeline(env, 0),
+            sets: process_set::Sets::default(),
         });
         return Ok(());
     };
@@ -148,6 +157,7 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
         client,
         generation: 0,
         updates_through: 0,
+        peers: Vec::new(),
     };
     let (topology, comm) = enter(&mut session, round)?;
     let timeline = open_timeline(env, topology.rank);
@@ -157,6 +167,7 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
         session: Some(session),
         engine_active: false,
         timeline,
+        sets: process_set::Sets::default(),
     });
     Ok(())
 }
@@ -195,6 +206,7 @@ fn enter(session: &mut Session, round: client::Round) -> Result<(Topology, Commu
     cfg.same_host_copy = l.same_host_copy;
     session.generation = world.generation;
     session.updates_through = world.updates_through;
+    session.peers.clone_from(&world.peers);
     let comm = Communicator::connect(cfg, &session.listener, &world.peers)?;
     tracing::info!(
         rank = p.rank,
@@ -244,6 +256,8 @@ pub(crate) fn rejoin(reason: &str) -> Result<()> {
     let (topology, comm) = result?;
     c.topology = topology;
     c.comm = Some(comm);
+    // The sets' communicators belong to the old round; `elastic::run` rebuilds them.
+    c.sets.disconnect();
     tracing::debug!(generation, "rejoined");
     Ok(())
 }
