@@ -35,9 +35,19 @@ struct Args {
     /// Also allreduce the ranks within a process set of the even ranks, printing the sum.
     #[arg(long)]
     process_set: bool,
+    /// Train elastically for this many steps with a process set of the even ranks, allreducing
+    /// ones within it every step (the set is rebuilt after every reset).
+    #[arg(long)]
+    elastic_set_steps: Option<u64>,
     /// Lines to print on stdout and on stderr.
     #[arg(long, default_value_t = 1)]
     lines: usize,
+}
+
+/// Ends the process when a process set's allreduce is wrong.
+fn bail_step(rank: usize, size: usize, got: i64, want: i64) -> ! {
+    eprintln!("rank {rank} of {size}: the process set summed to {got}, not {want}");
+    std::process::exit(2);
 }
 
 fn main() -> anyhow::Result<()> {
@@ -78,6 +88,36 @@ fn main() -> anyhow::Result<()> {
             Err(e) => return Err(e).context("allreduce in the process set"),
         }
         hvd::remove_process_set(&set)?;
+    }
+    if let Some(steps) = args.elastic_set_steps {
+        let evens: Vec<usize> = (0..t.size).step_by(2).collect();
+        let set = hvd::add_process_set(&evens)?;
+        let mut state = hvd::elastic::State::new(hvd::elastic::Object(0u64));
+        let r = hvd::elastic::run(&mut state, |st| {
+            while st.0 < steps {
+                let (rank, size) = (hvd::rank()?, hvd::size()?);
+                if rank % 2 == 0 {
+                    let mut ones = [1i64; 4];
+                    hvd::allreduce_on(&set, &mut ones, ReduceOp::Sum)?;
+                    let want = size.div_ceil(2) as i64;
+                    if ones[0] != want {
+                        bail_step(rank, size, ones[0], want);
+                    }
+                    println!(
+                        "{}",
+                        serde_json::json!({"event": "set_step", "rank": rank, "size": size, "set_sum": ones[0]})
+                    );
+                }
+                st.0 += 1;
+                st.commit()?;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Ok(())
+        });
+        match r {
+            Ok(()) | Err(hvd::Error::Removed { .. }) => {}
+            Err(e) => return Err(e).context("elastic run"),
+        }
     }
     if args.allreduce_loop {
         let mut buf = vec![1.0f32; 1 << 18];

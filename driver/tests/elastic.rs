@@ -577,3 +577,73 @@ fn a_worker_stopped_during_a_round_is_declared_failed_and_the_round_goes_on() {
     assert!(err.contains("did not join the round in time"), "{err}");
     assert!(took < Duration::from_secs(10), "recovery took {took:?}");
 }
+
+#[test]
+fn process_sets_are_rebuilt_for_the_new_round() {
+    let dir = scratch("sets");
+    std::fs::write(dir.join("hosts"), "127.0.0.2:2\n127.0.0.3:2\n").expect("hosts");
+    let script = dir.join("discover.sh").display().to_string();
+    let probe = example("hvd_probe");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args([
+            "-np",
+            "4",
+            "--min-np",
+            "2",
+            "--host-discovery-script",
+            &script,
+        ])
+        .args([&probe, "--elastic-set-steps", "200"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let out = child.stdout.take().expect("stdout");
+    let mut lines = BufReader::new(out).lines().map_while(Result::ok);
+    let mut seen = Vec::new();
+    for l in lines.by_ref() {
+        let four = l.contains("\"set_step\"") && l.contains("\"size\":4");
+        seen.push(l);
+        if four && seen.len() > 20 {
+            break;
+        }
+    }
+    let me = child.id().to_string();
+    let victim = std::fs::read_dir("/proc")
+        .expect("proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .find(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().nth(1).map(String::from));
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            ppid.as_deref() == Some(me.as_str())
+                && env
+                    .split(|&b| b == 0)
+                    .any(|kv| kv == b"HOROVOD_HOSTNAME=127.0.0.3")
+        })
+        .expect("a worker on 127.0.0.3");
+    signal(victim, Signal::SIGKILL);
+    seen.extend(lines);
+    let status = child.wait().expect("wait");
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(status.success(), "{err}");
+    let after: Vec<&String> = seen
+        .iter()
+        .filter(|l| l.contains("\"set_step\"") && l.contains("\"size\":2"))
+        .collect();
+    assert!(
+        !after.is_empty(),
+        "no step of the set after the reset: {seen:?}"
+    );
+    assert!(
+        after.iter().all(|l| l.contains("\"set_sum\":1")),
+        "{after:?}"
+    );
+}
