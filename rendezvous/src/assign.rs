@@ -1,5 +1,7 @@
 //! Static rank assignment: slots filled host by host, in the order the hosts were given.
 
+use crate::Placement;
+
 /// A host and how many worker slots it offers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostSlots {
@@ -9,36 +11,26 @@ pub struct HostSlots {
     pub slots: usize,
 }
 
-/// Where one worker runs and the ranks Horovod gives it.
+/// Where one worker runs and the ranks Horovod gives it (through `Deref`, `slot.rank`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotInfo {
     /// The host.
     pub host: String,
-    /// Global rank.
-    pub rank: usize,
-    /// Number of workers.
-    pub size: usize,
-    /// Rank among the workers on this host.
-    pub local_rank: usize,
-    /// Number of workers on this host.
-    pub local_size: usize,
-    /// Index of this host among the hosts that have a worker of this local rank.
-    pub cross_rank: usize,
-    /// Number of hosts that have a worker of this local rank.
-    pub cross_size: usize,
+    /// Its six Horovod numbers.
+    pub placement: Placement,
+}
+
+impl std::ops::Deref for SlotInfo {
+    type Target = Placement;
+    fn deref(&self) -> &Placement {
+        &self.placement
+    }
 }
 
 impl SlotInfo {
     /// The six Horovod numbers of this slot.
-    pub fn placement(&self) -> crate::Placement {
-        crate::Placement {
-            rank: self.rank,
-            size: self.size,
-            local_rank: self.local_rank,
-            local_size: self.local_size,
-            cross_rank: self.cross_rank,
-            cross_size: self.cross_size,
-        }
+    pub fn placement(&self) -> Placement {
+        self.placement
     }
 }
 
@@ -100,12 +92,14 @@ pub fn assign_static(hosts: &[HostSlots], np: usize) -> Result<Vec<SlotInfo>, As
             let cross_size = used.iter().filter(|(_, k)| *k > local_rank).count();
             out.push(SlotInfo {
                 host: host.clone(),
-                rank: out.len(),
-                size: np,
-                local_rank,
-                local_size: *local_size,
-                cross_rank,
-                cross_size,
+                placement: Placement {
+                    rank: out.len(),
+                    size: np,
+                    local_rank,
+                    local_size: *local_size,
+                    cross_rank,
+                    cross_size,
+                },
             });
         }
     }

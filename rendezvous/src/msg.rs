@@ -72,6 +72,20 @@ pub struct Placement {
     pub cross_size: usize,
 }
 
+impl Placement {
+    /// The place of the only worker of a world of one.
+    pub fn single() -> Self {
+        Self {
+            rank: 0,
+            size: 1,
+            local_rank: 0,
+            local_size: 1,
+            cross_rank: 0,
+            cross_size: 1,
+        }
+    }
+}
+
 /// A host change the driver announces to every live worker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostsUpdate {
@@ -162,14 +176,7 @@ mod tests {
         assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), m);
         let w = DriverMsg::World {
             generation: 1,
-            placement: Placement {
-                rank: 0,
-                size: 1,
-                local_rank: 0,
-                local_size: 1,
-                cross_rank: 0,
-                cross_size: 1,
-            },
+            placement: Placement::single(),
             peers: vec!["a:1".into()],
             hosts: vec!["a".into()],
             updates_through: 0,

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use hvd_rendezvous as rv;
+use hvd_rendezvous::{self as rv, Placement};
 
 use crate::error::{Error, Result};
 
@@ -29,21 +29,11 @@ impl Env for HashMap<String, String> {
     }
 }
 
-/// The launch parameters of one worker.
+/// The launch parameters of one worker (its ranks through `Deref`: `launch.rank`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Launch {
-    /// Global rank.
-    pub rank: usize,
-    /// Number of workers.
-    pub size: usize,
-    /// Rank on this host.
-    pub local_rank: usize,
-    /// Workers on this host.
-    pub local_size: usize,
-    /// Rank among the hosts' workers of the same local rank.
-    pub cross_rank: usize,
-    /// Hosts with a worker of this local rank.
-    pub cross_size: usize,
+    /// The ranks the launcher gave (an elastic worker gets its own at every round).
+    pub placement: Placement,
     /// This worker's host, as the launcher named it.
     pub hostname: String,
     /// The driver's rendezvous address.
@@ -68,6 +58,13 @@ pub struct Launch {
     pub elastic: bool,
     /// How long a round may wait for enough hosts (`HOROVOD_ELASTIC_TIMEOUT`).
     pub elastic_timeout: Duration,
+}
+
+impl std::ops::Deref for Launch {
+    type Target = Placement;
+    fn deref(&self) -> &Placement {
+        &self.placement
+    }
 }
 
 fn required(env: &dyn Env, var: &'static str) -> Result<String> {
@@ -129,12 +126,14 @@ impl Launch {
             }
         };
         let l = Self {
-            rank: number(rv::ENV_RANK, 0)?,
-            size: number(rv::ENV_SIZE, 1)?,
-            local_rank: number(rv::ENV_LOCAL_RANK, 0)?,
-            local_size: number(rv::ENV_LOCAL_SIZE, 1)?,
-            cross_rank: number(rv::ENV_CROSS_RANK, 0)?,
-            cross_size: number(rv::ENV_CROSS_SIZE, 1)?,
+            placement: Placement {
+                rank: number(rv::ENV_RANK, 0)?,
+                size: number(rv::ENV_SIZE, 1)?,
+                local_rank: number(rv::ENV_LOCAL_RANK, 0)?,
+                local_size: number(rv::ENV_LOCAL_SIZE, 1)?,
+                cross_rank: number(rv::ENV_CROSS_RANK, 0)?,
+                cross_size: number(rv::ENV_CROSS_SIZE, 1)?,
+            },
             hostname: required(env, rv::ENV_HOSTNAME)?,
             rendezvous,
             secret: required(env, rv::ENV_SECRET)?,

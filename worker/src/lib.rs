@@ -130,17 +130,7 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
     }
     let Some(launch) = Launch::from_env(env)? else {
         *ctx = Some(Context {
-            topology: Topology::new(
-                Placement {
-                    rank: 0,
-                    size: 1,
-                    local_rank: 0,
-                    local_size: 1,
-                    cross_rank: 0,
-                    cross_size: 1,
-                },
-                &[],
-            ),
+            topology: Topology::new(Placement::single(), &[]),
             comm: Some(Communicator::single()),
             session: None,
             engine_active: false,
