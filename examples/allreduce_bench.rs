@@ -8,6 +8,8 @@
 //! ```text
 //! horovodrun -np 2 -H localhost:2 target/release/examples/allreduce_bench --max-bytes 67108864
 //! ```
+//! The last columns are rank 0's time for one plain memcpy of the same bytes, measured in the
+//! same run, and its ratio to the collective's time (1.0 would be memcpy speed).
 //! `examples/gloo_bench.py` measures PyTorch's Gloo backend the same way.
 
 use std::time::Instant;
@@ -105,8 +107,8 @@ fn sweep<T: BenchElem>(args: &Args) -> anyhow::Result<()> {
             args.warmup
         );
         println!(
-            "{:>12} {:>12} {:>12} {:>10} {:>10}",
-            "size(B)", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)"
+            "{:>12} {:>12} {:>12} {:>10} {:>10} {:>12} {:>9}",
+            "size(B)", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "memcpy(us)", "memcpy/op"
         );
     }
     let mut bytes = args.min_bytes;
@@ -153,23 +155,44 @@ fn sweep<T: BenchElem>(args: &Args) -> anyhow::Result<()> {
         let median = times[times.len() / 2];
         let algbw = size as f64 / median / 1e9;
         if rank == 0 {
+            // The ceiling: one plain copy of the same bytes on this machine, now.
+            let memcpy = memcpy_time(size, args.iters.max(3));
+            let frac = memcpy / median;
             if args.json {
                 println!(
                     "{}",
                     serde_json::json!({"op": name, "impl": "hvd", "np": n, "dtype": T::DTYPE.name(), "size": size,
-                        "count": count, "time_us": median * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * factor})
+                        "count": count, "time_us": median * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * factor,
+                        "memcpy_us": memcpy * 1e6, "memcpy_fraction": frac})
                 );
             } else {
                 println!(
-                    "{size:>12} {count:>12} {:>12.1} {algbw:>10.3} {:>10.3}",
+                    "{size:>12} {count:>12} {:>12.1} {algbw:>10.3} {:>10.3} {:>12.1} {frac:>9.2}",
                     median * 1e6,
-                    algbw * factor
+                    algbw * factor,
+                    memcpy * 1e6
                 );
             }
         }
         bytes *= 2;
     }
     Ok(())
+}
+
+/// Median seconds of copying `bytes` from one buffer to another (both touched first).
+fn memcpy_time(bytes: usize, iters: usize) -> f64 {
+    let src = vec![1u8; bytes.max(1)];
+    let mut dst = vec![0u8; bytes.max(1)];
+    let mut times: Vec<f64> = (0..iters)
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&mut dst);
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
 }
 
 fn check<T: BenchElem>(op: Op, buf: &[T], count: usize, n: usize) -> anyhow::Result<()> {
