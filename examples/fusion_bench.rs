@@ -21,6 +21,9 @@ struct Args {
     /// Total f32 elements of the burst.
     #[arg(long, default_value_t = 25_000_000)]
     elems: usize,
+    /// Also keep the engine idle this many seconds and report the CPU it used meanwhile.
+    #[arg(long, default_value_t = 0.0)]
+    idle_secs: f64,
     /// Timed repetitions (the median is reported).
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -109,6 +112,20 @@ fn main() -> anyhow::Result<()> {
             burst.push(took);
         }
     }
+    let idle = if args.idle_secs > 0.0 {
+        let before = cpu_ns();
+        std::thread::sleep(Duration::from_secs_f64(args.idle_secs));
+        let used = cpu_ns().saturating_sub(before) as f64 / 1e9;
+        let mut share = [used / args.idle_secs];
+        // Every rank's share, averaged: what an idle engine costs each rank.
+        engine
+            .allreduce_async("idle-cpu", share.to_vec(), ReduceOp::Average)
+            .wait()
+            .map(|v| share[0] = v[0])?;
+        Some(share[0])
+    } else {
+        None
+    };
     hvd::stop_engine(engine)?;
     let (s, b) = (median(single), median(burst));
     if rank == 0 {
@@ -123,6 +140,30 @@ fn main() -> anyhow::Result<()> {
             b.as_secs_f64() / s.as_secs_f64()
         );
     }
+    if let (Some(share), 0) = (idle, rank) {
+        println!(
+            "idle engine, cycle {cycle_ms} ms: {:.1}% of a core per rank",
+            share * 100.0
+        );
+    }
     hvd::shutdown()?;
     Ok(())
+}
+
+/// CPU time all threads of this process have used, in nanoseconds (`/proc/self/stat`,
+/// whose clock ticks are 1/100 s on Linux); 0 if unknown.
+fn cpu_ns() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0;
+    };
+    let fields: Vec<u64> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| {
+            rest.split_whitespace()
+                .map(|f| f.parse().unwrap_or(0))
+                .collect()
+        })
+        .unwrap_or_default();
+    let ticks = fields.get(11).copied().unwrap_or(0) + fields.get(12).copied().unwrap_or(0);
+    ticks * 10_000_000
 }
