@@ -187,6 +187,49 @@ enum Command {
     Stop,
 }
 
+/// Submits an allreduce on the engine behind `tx`.
+fn submit<T: Element>(
+    tx: &mpsc::Sender<Command>,
+    name: &str,
+    tensor: Vec<T>,
+    op: ReduceOp,
+) -> Handle<T> {
+    let (reply, rx) = mpsc::channel();
+    let req = Request {
+        name: name.to_string(),
+        submitted: Instant::now(),
+        op,
+        tensor: Box::new(tensor),
+        reply,
+    };
+    // A stopped engine drops the request; the handle then reports it.
+    let _ = tx.send(Command::Op(req));
+    Handle {
+        rx,
+        name: name.to_string(),
+        done: None,
+        convert: None,
+    }
+}
+
+/// Submits ops to an [`Engine`] without owning it.
+#[derive(Debug, Clone)]
+pub struct Submitter {
+    tx: mpsc::Sender<Command>,
+}
+
+impl Submitter {
+    /// As [`Engine::allreduce_async`].
+    pub fn allreduce_async<T: Element>(
+        &self,
+        name: &str,
+        tensor: Vec<T>,
+        op: ReduceOp,
+    ) -> Handle<T> {
+        submit(&self.tx, name, tensor, op)
+    }
+}
+
 /// The engine: a thread that owns a communicator and runs submitted ops in cycles.
 #[derive(Debug)]
 pub struct Engine {
@@ -214,6 +257,14 @@ impl Engine {
         })
     }
 
+    /// A cloneable way to submit ops to this engine from elsewhere (another thread, a
+    /// library wrapper); it fails its ops once the engine stops.
+    pub fn submitter(&self) -> Submitter {
+        Submitter {
+            tx: self.tx.clone(),
+        }
+    }
+
     /// Submits an allreduce of `tensor` named `name`; every rank must submit an op of that
     /// name (in any order). Names must be unique among pending ops.
     pub fn allreduce_async<T: Element>(
@@ -222,24 +273,11 @@ impl Engine {
         tensor: Vec<T>,
         op: ReduceOp,
     ) -> Handle<T> {
-        let (reply, rx) = mpsc::channel();
-        let req = Request {
-            name: name.to_string(),
-            submitted: Instant::now(),
-            op,
-            tensor: Box::new(tensor),
-            reply,
-        };
-        // A stopped engine drops the request; the handle then reports it.
-        let _ = self.tx.send(Command::Op(req));
-        Handle {
-            rx,
-            name: name.to_string(),
-            done: None,
-            convert: None,
-        }
+        submit(&self.tx, name, tensor, op)
     }
+}
 
+impl Engine {
     /// [`Engine::allreduce_async`] of an f32 tensor sent as `compression` says; the result
     /// comes back as f32.
     pub fn allreduce_async_f32(

@@ -42,7 +42,7 @@ mod wire;
 pub use comm::Communicator;
 pub use config::CommConfig;
 pub use dtype::{DType, Element, ReduceOp};
-pub use engine::{Compression, Engine, EngineConfig, Handle};
+pub use engine::{Compression, Engine, EngineConfig, Handle, Submitter};
 pub use error::{CommError, Result};
 pub use half::{bf16, f16};
 pub use link::AbortHandle;

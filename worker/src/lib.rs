@@ -35,7 +35,7 @@ use std::time::Duration;
 pub use error::{Error, Result};
 pub use hvd_collectives::{
     AbortHandle, CommError, Communicator, Compression, DType, Element, Engine, EngineConfig,
-    Handle, ReduceOp, Timeline, bf16, f16,
+    Handle, ReduceOp, Submitter, Timeline, bf16, f16,
 };
 pub use hvd_rendezvous::Placement;
 pub use launch::{Env, Launch, ProcessEnv};
@@ -95,6 +95,10 @@ struct Context {
     session: Option<Session>,
     /// The communicator is lent to a background engine.
     engine_active: bool,
+    /// The engine's submission channel while it holds the communicator: `allreduce` goes
+    /// through it then, under names `hvd.sync.<n>` every rank numbers alike.
+    submitter: Option<Submitter>,
+    sync_seq: u64,
     /// Where this rank records its timeline (`HOROVOD_TIMELINE`).
     timeline: Option<Arc<Timeline>>,
     /// Process sets of this round.
@@ -134,6 +138,8 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
             comm: Some(Communicator::single()),
             session: None,
             engine_active: false,
+            submitter: None,
+            sync_seq: 0,
             timeline: open_timeline(env, 0),
             sets: process_set::Sets::default(),
         });
@@ -156,6 +162,8 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
         comm: Some(comm),
         session: Some(session),
         engine_active: false,
+        submitter: None,
+        sync_seq: 0,
         timeline,
         sets: process_set::Sets::default(),
     });
@@ -220,6 +228,7 @@ pub(crate) fn rejoin(reason: &str) -> Result<()> {
         // An engine on the old communicator fails its ops from now on; the new round's
         // communicator serves the synchronous collectives.
         c.engine_active = false;
+        c.submitter = None;
         let s = c.session.take().ok_or(Error::NotElastic)?;
         (s, c.timeline.clone())
     };
@@ -385,8 +394,9 @@ pub fn engine_config_from(env: &dyn Env) -> Result<EngineConfig> {
 }
 
 /// Hands the communicator to a background [`Engine`]: named, asynchronous allreduces
-/// ([`Engine::allreduce_async`]) matched across ranks by name and fused. Synchronous
-/// collectives fail with [`Error::EngineActive`] until [`stop_engine`] gives it back.
+/// ([`Engine::allreduce_async`]) matched across ranks by name and fused. Meanwhile
+/// [`allreduce`] goes through the engine (so elastic commits keep working) and the other
+/// synchronous collectives fail with [`Error::EngineActive`] until [`stop_engine`].
 ///
 /// # Errors
 /// [`Error::NotInitialized`], [`Error::EngineActive`] or [`Error::MembershipChanging`] when
@@ -403,7 +413,10 @@ pub fn start_engine(cfg: EngineConfig) -> Result<Engine> {
     if cfg.timeline.is_none() {
         cfg.timeline = c.timeline.clone();
     }
-    Ok(Engine::start(comm, cfg)?)
+    let engine = Engine::start(comm, cfg)?;
+    c.submitter = Some(engine.submitter());
+    c.sync_seq = 0;
+    Ok(engine)
 }
 
 /// Stops the engine (on every rank together: pending ops fail) and gives the communicator
@@ -416,6 +429,7 @@ pub fn stop_engine(engine: Engine) -> Result<()> {
     let mut ctx = context();
     let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
     c.engine_active = false;
+    c.submitter = None;
     if c.comm.is_none() {
         c.comm = comm;
     }
@@ -443,6 +457,20 @@ pub fn with_communicator<R>(
 /// # Errors
 /// [`Error::NotInitialized`]; [`Error::Comm`] on a mismatch or a peer failure.
 pub fn allreduce<T: Element>(buf: &mut [T], op: ReduceOp) -> Result<()> {
+    let through = {
+        let mut ctx = context();
+        let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
+        c.submitter.clone().map(|s| {
+            c.sync_seq += 1;
+            (s, format!("hvd.sync.{}", c.sync_seq))
+        })
+    };
+    if let Some((s, name)) = through {
+        // The engine holds the communicator: a named op, waited for (one engine cycle).
+        let v = s.allreduce_async(&name, buf.to_vec(), op).wait()?;
+        buf.copy_from_slice(&v);
+        return Ok(());
+    }
     with_communicator(|c| c.allreduce(buf, op))
 }
 
