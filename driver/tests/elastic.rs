@@ -70,15 +70,16 @@ impl Job {
     /// discovery printing `hosts`.
     fn start(name: &str, hosts: &[&str], flags: &[&str], counter: &[&str]) -> Self {
         let dir = scratch(name);
-        Self::start_in(dir, hosts, flags, counter, &[])
+        Self::start_in(dir, hosts, flags, "elastic_counter", counter)
     }
 
+    /// Starts `program` (an example) with `args` under elastic horovodrun in `dir`.
     fn start_in(
         dir: PathBuf,
         hosts: &[&str],
         flags: &[&str],
-        counter: &[&str],
-        env: &[(&str, &str)],
+        program: &str,
+        args: &[&str],
     ) -> Self {
         std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n").expect("hosts");
         let script = dir.join("discover.sh").display().to_string();
@@ -90,9 +91,8 @@ impl Job {
                 "--discovery-interval",
                 "0.2",
             ])
-            .arg(example("elastic_counter"))
-            .args(counter)
-            .envs(env.iter().copied())
+            .arg(example(program))
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -429,7 +429,7 @@ fn hosts_added_and_removed_in_one_poll() {
 fn a_discovery_script_failing_on_its_first_run_fails_the_job() {
     let dir = scratch("disc-fail");
     std::fs::write(dir.join("mode"), "echo 'no inventory' >&2; exit 3\n").expect("mode");
-    let job = Job::start_in(dir, HOSTS2, &["-np", "2"], COUNTER, &[]);
+    let job = Job::start_in(dir, HOSTS2, &["-np", "2"], "elastic_counter", COUNTER);
     let (code, err, _) = job.finish();
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("first run") && err.contains("3"), "{err}");
@@ -646,4 +646,40 @@ fn process_sets_are_rebuilt_for_the_new_round() {
         after.iter().all(|l| l.contains("\"set_sum\":1")),
         "{after:?}"
     );
+}
+
+#[test]
+fn the_background_engine_survives_a_reset() {
+    let mut job = Job::start_in(
+        scratch("engine"),
+        HOSTS2,
+        &["-np", "4", "--min-np", "2"],
+        "engine_soak",
+        &[
+            "--seconds",
+            "4",
+            "--tensors",
+            "20",
+            "--elems",
+            "5000",
+            "--report-every",
+            "5",
+        ],
+    );
+    job.wait_for("engine steps at size 4", |l| {
+        l.v["event"] == "mem" && l.v["size"] == 4
+    });
+    signal(job.pids_on("127.0.0.3")[0], Signal::SIGKILL);
+    job.wait_for("engine steps at size 2", |l| {
+        l.v["event"] == "mem" && l.v["size"] == 2
+    });
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    let done: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l.v["event"] == "done")
+        .map(|l| &l.v)
+        .collect();
+    assert_eq!(done.len(), 2, "{done:?}");
+    assert_eq!(done[0]["steps"], done[1]["steps"], "{done:?}");
 }
