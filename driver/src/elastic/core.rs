@@ -615,6 +615,9 @@ impl Core {
             .map(|(id, w)| (*id, w.host.clone(), w.phase))
             .collect();
         for (id, host, phase) in late {
+            if !self.workers.get(&id).is_some_and(Worker::live) {
+                continue; // stopped already with an earlier late worker of its host
+            }
             let what = if phase == Phase::Starting {
                 "did not register"
             } else {
