@@ -484,17 +484,68 @@ impl Communicator {
         let mut mine = desc::<T>(Kind::Allgather, None, seq, input.len());
         mine.row_len = row_len as u64;
         let inline = self.is_small(bytes);
+        // On one host a large contribution is read in place: its address rides instead. An
+        // 8-byte payload for a contribution of another size can only be an address, because
+        // contributions that small always ride inline.
+        let direct = !inline && self.cma.is_some();
+        let word = (input.as_ptr() as u64).to_le_bytes();
         if inline {
             mine.payload_len = bytes as u64;
+        } else if direct {
+            mine.payload_len = word.len() as u64;
         }
+        let elem = std::mem::size_of::<T>();
         let mut inbox: Vec<Vec<T>> = vec![Vec::new(); n];
-        let payload: &[u8] = bytemuck::cast_slice(input);
+        let mut addrs: Vec<Option<usize>> = vec![None; n];
+        let payload: &[u8] = if direct {
+            &word
+        } else {
+            bytemuck::cast_slice(input)
+        };
         let descs = self.open(
             mine,
             local,
             |_| (mine, payload),
-            |p, d, rd| take_payload(rd, d, d.agrees_with(&mine), &mut inbox[p]),
+            |p, d, rd| {
+                let theirs = d.count.saturating_mul(elem as u64);
+                if d.payload_len == 8 && theirs != 8 && d.agrees_with(&mine) {
+                    let mut b = [0u8; 8];
+                    crate::link::read_full(rd, &mut b)?;
+                    addrs[p] = usize::try_from(u64::from_le_bytes(b)).ok();
+                    return Ok(());
+                }
+                take_payload(rd, d, d.agrees_with(&mine), &mut inbox[p])
+            },
         )?;
+        // Every rank sees the same descriptors, so all take this path or none.
+        let any_direct = direct || addrs.iter().any(Option::is_some);
+        if let Some(pids) = self.cma.clone().filter(|_| any_direct) {
+            let counts: Vec<usize> = descs.iter().map(|d| d.count as usize).collect();
+            let mut out = vec![T::zeroed(); counts.iter().sum()];
+            let mut at = 0;
+            let mut failed = None;
+            for (p, &c) in counts.iter().enumerate() {
+                let head = &mut out[at..at + c];
+                at += c;
+                if p == r {
+                    head.copy_from_slice(input);
+                } else if let Some(addr) = addrs[p] {
+                    let raw: &mut [u8] = bytemuck::cast_slice_mut(head);
+                    if let Err(e) = crate::cma::read_remote(pids[p], addr, raw) {
+                        failed = Some((p, e));
+                        break;
+                    }
+                } else {
+                    head.copy_from_slice(&inbox[p]);
+                }
+            }
+            if let Some((p, e)) = failed {
+                return Err(self.fail(left_collective(p, "allgather", &e)));
+            }
+            // Every input stays untouched until every rank has read it.
+            self.barrier()?;
+            return Ok(out);
+        }
         let counts: Vec<usize> = descs.iter().map(|d| d.count as usize).collect();
         let mut out = vec![T::zeroed(); counts.iter().sum()];
         let mut recvs: Vec<Option<&mut [u8]>> = Vec::with_capacity(n);
