@@ -703,6 +703,21 @@ impl Worker {
     }
 }
 
+/// Calls the generic `f::<T>(args)` for the element type `T` of a runtime `DType`.
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::U8 => $f::<u8>($($arg),*),
+            DType::I32 => $f::<i32>($($arg),*),
+            DType::I64 => $f::<i64>($($arg),*),
+            DType::F16 => $f::<half::f16>($($arg),*),
+            DType::BF16 => $f::<half::bf16>($($arg),*),
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+        }
+    };
+}
+
 /// Allreduces a batch of tensors of one `dtype` as one grouped allreduce on their own memory.
 fn group_in_place(
     comm: &mut Communicator,
@@ -722,15 +737,7 @@ fn group_in_place(
             .collect();
         comm.grouped_allreduce(&mut slices, op)
     }
-    match dtype {
-        DType::U8 => typed::<u8>(comm, op, batch),
-        DType::I32 => typed::<i32>(comm, op, batch),
-        DType::I64 => typed::<i64>(comm, op, batch),
-        DType::F16 => typed::<half::f16>(comm, op, batch),
-        DType::BF16 => typed::<half::bf16>(comm, op, batch),
-        DType::F32 => typed::<f32>(comm, op, batch),
-        DType::F64 => typed::<f64>(comm, op, batch),
-    }
+    by_dtype!(dtype, typed(comm, op, batch))
 }
 
 /// Allreduces the first `bytes` of an 8-byte-aligned buffer as elements of `dtype`.
@@ -745,15 +752,7 @@ fn reduce_bytes(
         comm.allreduce(bytemuck::cast_slice_mut::<u8, T>(raw), op)
     }
     let raw = &mut bytemuck::cast_slice_mut::<u64, u8>(buf)[..bytes];
-    match dtype {
-        DType::U8 => typed::<u8>(comm, op, raw),
-        DType::I32 => typed::<i32>(comm, op, raw),
-        DType::I64 => typed::<i64>(comm, op, raw),
-        DType::F16 => typed::<half::f16>(comm, op, raw),
-        DType::BF16 => typed::<half::bf16>(comm, op, raw),
-        DType::F32 => typed::<f32>(comm, op, raw),
-        DType::F64 => typed::<f64>(comm, op, raw),
-    }
+    by_dtype!(dtype, typed(comm, op, raw))
 }
 
 #[cfg(test)]

@@ -35,66 +35,56 @@ fn main() -> ExitCode {
     };
     init_tracing(args.verbose);
     if args.discovery_script.is_some() || args.min_np.is_some_and(|n| n > 0) {
-        return elastic_main(&args);
+        return drive(plan_elastic(&args), elastic::run::run, report_elastic);
     }
-    let spec = match plan(&args) {
+    drive(
+        plan(&args).map(|s| (s.slots.len(), s)),
+        |(np, spec)| async move { job::run(spec).await.map(|o| (o, np)) },
+        |(outcome, np)| report(outcome, np),
+    )
+}
+
+/// Plans, runs and reports one job: a plan that fails is a usage error, reported before
+/// anything starts.
+fn drive<S, O, F: std::future::Future<Output = anyhow::Result<O>>>(
+    spec: anyhow::Result<S>,
+    run: impl FnOnce(S) -> F,
+    report: impl FnOnce(O) -> ExitCode,
+) -> ExitCode {
+    let spec = match spec {
         Ok(s) => s,
         Err(e) => {
             eprintln!("horovodrun: error: {e:#}");
             return ExitCode::from(EX_USAGE);
         }
     };
-    let Some(runtime) = runtime() else {
-        return ExitCode::FAILURE;
-    };
-    let np = spec.slots.len();
-    match runtime.block_on(job::run(spec)) {
-        Ok(outcome) => report(outcome, np),
-        Err(e) => {
-            eprintln!("horovodrun: error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn runtime() -> Option<tokio::runtime::Runtime> {
-    match tokio::runtime::Builder::new_multi_thread()
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
     {
-        Ok(r) => Some(r),
+        Ok(r) => r,
         Err(e) => {
             eprintln!("horovodrun: error: cannot start the runtime: {e}");
-            None
-        }
-    }
-}
-
-fn elastic_main(args: &cli::Args) -> ExitCode {
-    let spec = match plan_elastic(args) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("horovodrun: error: {e:#}");
-            return ExitCode::from(EX_USAGE);
+            return ExitCode::FAILURE;
         }
     };
-    let Some(runtime) = runtime() else {
-        return ExitCode::FAILURE;
-    };
-    match runtime.block_on(elastic::run::run(spec)) {
-        Ok(end) if end.code == 0 => {
-            tracing::info!("job succeeded: {}", end.message);
-            ExitCode::SUCCESS
-        }
-        Ok(end) => {
-            eprintln!("horovodrun: error: {}", end.message);
-            ExitCode::from(end.code)
-        }
+    match runtime.block_on(run(spec)) {
+        Ok(o) => report(o),
         Err(e) => {
             eprintln!("horovodrun: error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+fn report_elastic(end: elastic::run::Ending) -> ExitCode {
+    if end.code == 0 {
+        tracing::info!("job succeeded: {}", end.message);
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("horovodrun: error: {}", end.message);
+        ExitCode::from(end.code)
     }
 }
 
