@@ -233,7 +233,7 @@ impl Submitter {
 /// The engine: a thread that owns a communicator and runs submitted ops in cycles.
 #[derive(Debug)]
 pub struct Engine {
-    tx: mpsc::Sender<Command>,
+    submitter: Submitter,
     thread: Option<thread::JoinHandle<Communicator>>,
 }
 
@@ -252,7 +252,7 @@ impl Engine {
                 source,
             })?;
         Ok(Self {
-            tx,
+            submitter: Submitter { tx },
             thread: Some(thread),
         })
     }
@@ -260,9 +260,7 @@ impl Engine {
     /// A cloneable way to submit ops to this engine from elsewhere (another thread, a
     /// library wrapper); it fails its ops once the engine stops.
     pub fn submitter(&self) -> Submitter {
-        Submitter {
-            tx: self.tx.clone(),
-        }
+        self.submitter.clone()
     }
 
     /// Submits an allreduce of `tensor` named `name`; every rank must submit an op of that
@@ -273,7 +271,7 @@ impl Engine {
         tensor: Vec<T>,
         op: ReduceOp,
     ) -> Handle<T> {
-        submit(&self.tx, name, tensor, op)
+        self.submitter.allreduce_async(name, tensor, op)
     }
 }
 
@@ -305,14 +303,14 @@ impl Engine {
 
     /// Stops the engine once every rank stops (pending ops fail) and returns the communicator.
     pub fn stop(mut self) -> Option<Communicator> {
-        let _ = self.tx.send(Command::Stop);
+        let _ = self.submitter.tx.send(Command::Stop);
         self.thread.take().and_then(|t| t.join().ok())
     }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        let _ = self.tx.send(Command::Stop);
+        let _ = self.submitter.tx.send(Command::Stop);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
