@@ -106,6 +106,23 @@ pub struct Args {
     #[arg(long = "fusion-threshold-mb", value_name = "MB")]
     pub fusion_threshold_mb: Option<f64>,
 
+    /// Most ops whose negotiation each rank remembers, 0 to negotiate every op (env
+    /// HOROVOD_CACHE_CAPACITY; default 1024).
+    #[arg(long = "cache-capacity", value_name = "N")]
+    pub cache_capacity: Option<u64>,
+
+    /// Always use hierarchical allreduce: reduce on each host, ring across hosts, broadcast on
+    /// each host. Without it, the workers choose it when a job spans hosts with several ranks each.
+    #[arg(
+        long = "hierarchical-allreduce",
+        conflicts_with = "no_hierarchical_allreduce"
+    )]
+    pub hierarchical_allreduce: bool,
+
+    /// Never use hierarchical allreduce, even across hosts.
+    #[arg(long = "no-hierarchical-allreduce")]
+    pub no_hierarchical_allreduce: bool,
+
     /// The training program and its arguments.
     #[arg(required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -139,6 +156,7 @@ const VALUE_FLAGS: &[&str] = &[
     "--timeline-filename",
     "--cycle-time-ms",
     "--fusion-threshold-mb",
+    "--cache-capacity",
 ];
 
 /// Flags that take two values.

@@ -190,7 +190,7 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
 }
 
 /// The engine and timeline settings the workers get: `--cycle-time-ms`,
-/// `--fusion-threshold-mb`, and a fresh timeline file for `--timeline-filename`.
+/// `--fusion-threshold-mb`, `--cache-capacity`, `--[no-]hierarchical-allreduce`, and a fresh timeline file for `--timeline-filename`.
 fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
     let mut env = Vec::new();
     for (flag, value, var, scale) in [
@@ -213,6 +213,23 @@ fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
             }
             env.push((var.to_string(), format!("{}", v * scale)));
         }
+    }
+    if let Some(n) = args.cache_capacity {
+        env.push((
+            hvd_rendezvous::ENV_CACHE_CAPACITY.to_string(),
+            n.to_string(),
+        ));
+    }
+    if args.hierarchical_allreduce || args.no_hierarchical_allreduce {
+        let on = if args.hierarchical_allreduce {
+            "1"
+        } else {
+            "0"
+        };
+        env.push((
+            hvd_rendezvous::ENV_HIERARCHICAL_ALLREDUCE.to_string(),
+            on.into(),
+        ));
     }
     let Some(path) = &args.timeline else {
         return Ok(env);

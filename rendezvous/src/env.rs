@@ -34,6 +34,12 @@ pub const ENV_CYCLE_TIME: &str = "HOROVOD_CYCLE_TIME";
 pub const ENV_FUSION_THRESHOLD: &str = "HOROVOD_FUSION_THRESHOLD";
 /// Seconds an op may wait for every rank to submit it (Horovod's stall check).
 pub const ENV_STALL_CHECK_TIME: &str = "HOROVOD_STALL_CHECK_TIME_SECONDS";
+/// Most ops whose negotiation each rank remembers, 0 to negotiate every op (Horovod's name;
+/// `--cache-capacity`).
+pub const ENV_CACHE_CAPACITY: &str = "HOROVOD_CACHE_CAPACITY";
+/// `1` forces hierarchical allreduce (reduce on each host, ring across hosts, broadcast on each
+/// host), `0` forbids it; unset chooses by placement (Horovod's name; `--hierarchical-allreduce`).
+pub const ENV_HIERARCHICAL_ALLREDUCE: &str = "HOROVOD_HIERARCHICAL_ALLREDUCE";
 /// File every rank appends its engine timeline to (a Chrome trace; `--timeline-filename`).
 pub const ENV_TIMELINE: &str = "HOROVOD_TIMELINE";
 /// Set to `1` to mark every engine cycle on the timeline (`--timeline-mark-cycles`).

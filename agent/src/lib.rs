@@ -1,0 +1,1 @@
+//! The hvd agent: starts, watches and stops training processes on behalf of the driver.

@@ -1,0 +1,1 @@
+//! The `ElasticJob` operator: the custom resource and its reconciler.
