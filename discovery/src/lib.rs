@@ -6,6 +6,8 @@
 //!   `host[:slots]` lines with [`parse_discovery_output`].
 //! - [`Blacklist`]: hosts whose workers failed, kept out for a cooldown that doubles with each
 //!   failure (`--blacklist-cooldown-range`), driven by the caller's clock.
+//! - `kubernetes` (feature `kubernetes`): the Ready worker pods matching a label selector, kept
+//!   current by a watch on the API server.
 //!
 //! Every parser error names the bad entry or line.
 //!
@@ -18,6 +20,8 @@
 
 mod blacklist;
 mod hosts;
+#[cfg(feature = "kubernetes")]
+pub mod kubernetes;
 mod script;
 
 pub use blacklist::{Blacklist, Blacklisting, CooldownRange, CooldownRangeError, Released};
