@@ -1,1 +1,41 @@
-//! The hvd agent: starts, watches and stops training processes on behalf of the driver.
+//! The hvd agent: runs on every worker host (or pod) and starts, watches and stops the
+//! training processes the driver asks for, in place of `ssh`.
+//!
+//! - [`proto`]: the JSON-lines messages ([`ToAgent`], [`FromAgent`]).
+//! - [`auth`]: the HMAC-SHA256 challenge–response both sides run with the shared secret
+//!   ([`ENV_AGENT_SECRET`]) before anything else.
+//! - [`serve`]: the agent's server. Processes run in their own process groups; when the
+//!   connection that started them ends, they are stopped, so a dead driver leaves no orphans.
+//! - [`connect`]: the driver's client, returning the two halves of an authenticated connection.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), hvd_agent::AgentError> {
+//! use hvd_agent::{FromAgent, ToAgent, connect};
+//! let (mut events, mut requests) =
+//!     connect("10.0.0.7:7077", "s3cret", std::time::Duration::from_secs(5)).await?;
+//! requests
+//!     .send(&ToAgent::Start { id: 0, argv: vec!["hostname".into()], env: vec![], cwd: None })
+//!     .await?;
+//! while let Some(msg) = events.next().await? {
+//!     if let FromAgent::Exited { code, .. } = msg {
+//!         println!("exited with {code:?}");
+//!         break;
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+
+pub mod auth;
+mod client;
+pub mod proto;
+mod server;
+
+pub use client::{AgentError, Events, Requests, connect};
+pub use proto::{FromAgent, Stream, ToAgent};
+pub use server::serve;
+
+/// Environment variable holding the secret shared by the driver and its agents.
+pub const ENV_AGENT_SECRET: &str = "HVD_AGENT_SECRET";
+
+/// The port an agent listens on unless told otherwise.
+pub const DEFAULT_PORT: u16 = 7077;

@@ -1,0 +1,398 @@
+//! The agent's side: accepts driver connections, authenticates them, starts and stops the
+//! processes they ask for, and streams back their output and exits. Every process belongs to
+//! the connection that started it: when that connection ends, for whatever reason, its
+//! processes are stopped (SIGTERM to the group, SIGKILL after a grace), so a dead driver leaves
+//! no orphans behind.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::os::unix::process::ExitStatusExt;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hvd_rendezvous::{MAX_LINE, decode_line, encode_line};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::process::Command;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+
+use crate::auth;
+use crate::proto::{FromAgent, Stream, ToAgent};
+
+/// How long a new connection has to answer the challenge.
+const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Grace between SIGTERM and SIGKILL when a connection's processes are stopped.
+const TERM_GRACE: Duration = Duration::from_millis(1000);
+/// How long output still drains after a process exited (a child it left may hold the pipe).
+const DRAIN: Duration = Duration::from_millis(500);
+/// Messages queued for one driver before the processes' output waits for it.
+const OUT_QUEUE: usize = 1024;
+/// Longest output line sent as one message; longer lines are split.
+const MAX_OUTPUT_LINE: usize = 64 * 1024;
+/// Shortest driver nonce accepted (hex digits).
+const MIN_NONCE: usize = 16;
+
+/// Environment variables the agent keeps from the processes it starts.
+const PRIVATE_ENV: &[&str] = &[crate::ENV_AGENT_SECRET];
+
+/// Serves driver connections on `listener` until `shutdown` completes; then stops every
+/// process of every connection and returns.
+pub async fn serve(listener: TcpListener, secret: String, shutdown: impl Future<Output = ()>) {
+    let secret = Arc::new(secret);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut conns = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            acc = listener.accept() => match acc {
+                Ok((stream, peer)) => {
+                    conns.spawn(connection(stream, peer, secret.clone(), stop_rx.clone()));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+    tracing::info!(
+        connections = conns.len(),
+        "shutting down: stopping every process"
+    );
+    let _ = stop_tx.send(true);
+    let all = async { while conns.join_next().await.is_some() {} };
+    if tokio::time::timeout(TERM_GRACE * 5, all).await.is_err() {
+        tracing::warn!("some connections did not finish stopping their processes in time");
+    }
+}
+
+/// A process started for a connection.
+struct Proc {
+    pid: i32,
+    /// Becomes `true` once the process has been reaped.
+    done: watch::Receiver<bool>,
+}
+
+async fn connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    secret: Arc<String>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let (r, w) = stream.into_split();
+    let (out, out_rx) = mpsc::channel::<FromAgent>(OUT_QUEUE);
+    let writer = tokio::spawn(write_loop(w, out_rx));
+    let mut reader = BufReader::new(r);
+    let mut buf = Vec::new();
+    if let Err(reason) = handshake(&mut reader, &mut buf, &out, &secret).await {
+        tracing::warn!(%peer, %reason, "driver connection refused");
+        let _ = out.send(FromAgent::Refused { reason }).await;
+        drop(out);
+        let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
+        return;
+    }
+    tracing::info!(%peer, "driver connected");
+    let mut procs: HashMap<u64, Proc> = HashMap::new();
+    let (done_tx, mut done_rx) = mpsc::channel::<u64>(64);
+    loop {
+        tokio::select! {
+            n = read_line(&mut reader, &mut buf) => match n {
+                Ok(0) => { tracing::info!(%peer, "driver disconnected"); break; }
+                Err(e) => { tracing::warn!(%peer, error = %e, "driver connection failed"); break; }
+                Ok(_) if buf.len() > MAX_LINE => {
+                    tracing::warn!(%peer, bytes = buf.len(), "request too long; connection closed");
+                    break;
+                }
+                Ok(_) => match decode_line::<ToAgent>(&buf) {
+                    Ok(req) => request(req, &mut procs, &out, &done_tx).await,
+                    Err(e) => {
+                        tracing::warn!(%peer, error = %e, "bad request");
+                        let _ = out.send(FromAgent::Error { reason: format!("bad request: {e}") }).await;
+                    }
+                },
+            },
+            Some(id) = done_rx.recv() => { procs.remove(&id); }
+            _ = stop.changed() => break,
+        }
+    }
+    if !procs.is_empty() {
+        tracing::info!(%peer, processes = procs.len(), "stopping the processes this driver started");
+    }
+    stop_all(&mut procs, &mut done_rx).await;
+    drop(out);
+    // Exits of the stopped processes still go out when the driver is there to read them.
+    if tokio::time::timeout(Duration::from_secs(1), writer)
+        .await
+        .is_err()
+    {
+        tracing::debug!(%peer, "driver not reading; its last messages were dropped");
+    }
+}
+
+async fn read_line(r: &mut BufReader<OwnedReadHalf>, buf: &mut Vec<u8>) -> std::io::Result<usize> {
+    buf.clear();
+    r.take(MAX_LINE as u64 + 1).read_until(b'\n', buf).await
+}
+
+async fn write_loop(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<FromAgent>) {
+    while let Some(msg) = rx.recv().await {
+        let line = match encode_line(&msg) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot encode a message for the driver");
+                continue;
+            }
+        };
+        if w.write_all(&line).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Challenges the driver and answers its challenge; `Err` says why it is refused.
+async fn handshake(
+    reader: &mut BufReader<OwnedReadHalf>,
+    buf: &mut Vec<u8>,
+    out: &mpsc::Sender<FromAgent>,
+    secret: &str,
+) -> Result<(), String> {
+    let nonce = auth::nonce().map_err(|e| e.to_string())?;
+    out.send(FromAgent::Challenge {
+        nonce: nonce.clone(),
+    })
+    .await
+    .map_err(|_| "connection closed".to_string())?;
+    let n = tokio::time::timeout(AUTH_TIMEOUT, read_line(reader, buf))
+        .await
+        .map_err(|_| format!("no answer to the challenge within {AUTH_TIMEOUT:?}"))?
+        .map_err(|e| e.to_string())?;
+    if n == 0 {
+        return Err("closed before authenticating".into());
+    }
+    let (mac, theirs) = match decode_line::<ToAgent>(buf) {
+        Ok(ToAgent::Auth { mac, nonce }) => (mac, nonce),
+        Ok(_) => return Err("a request before authentication".into()),
+        Err(e) => return Err(format!("bad authentication message: {e}")),
+    };
+    if !auth::verify(secret, auth::DRIVER_LABEL, &nonce, &mac) {
+        return Err("wrong secret".into());
+    }
+    if theirs.len() < MIN_NONCE {
+        return Err(format!("driver nonce shorter than {MIN_NONCE} hex digits"));
+    }
+    let mac = auth::mac(secret, auth::AGENT_LABEL, &theirs).map_err(|e| e.to_string())?;
+    out.send(FromAgent::Welcome { mac })
+        .await
+        .map_err(|_| "connection closed".to_string())
+}
+
+async fn request(
+    req: ToAgent,
+    procs: &mut HashMap<u64, Proc>,
+    out: &mpsc::Sender<FromAgent>,
+    done_tx: &mpsc::Sender<u64>,
+) {
+    match req {
+        ToAgent::Auth { .. } => {
+            let _ = out
+                .send(FromAgent::Error {
+                    reason: "already authenticated".into(),
+                })
+                .await;
+        }
+        ToAgent::Start { id, argv, env, cwd } => {
+            let reply = match procs.entry(id) {
+                Entry::Occupied(_) => FromAgent::StartFailed {
+                    id,
+                    error: format!("process {id} of this connection is still running"),
+                },
+                Entry::Vacant(slot) => match start(id, &argv, env, cwd.as_deref(), out, done_tx) {
+                    Ok(p) => {
+                        let pid = p.pid.unsigned_abs();
+                        slot.insert(p);
+                        FromAgent::Started { id, pid }
+                    }
+                    Err(error) => {
+                        tracing::warn!(id, %error, "cannot start a process");
+                        FromAgent::StartFailed { id, error }
+                    }
+                },
+            };
+            // The driver names the process when it asks, so output may precede this reply.
+            let _ = out.send(reply).await;
+        }
+        ToAgent::Stop { id, grace_ms } => match procs.get(&id) {
+            Some(p) => stop(id, p, Duration::from_millis(grace_ms)),
+            None => tracing::debug!(id, "stop for a process that is not running"),
+        },
+    }
+}
+
+/// SIGTERM to the process group now and SIGKILL after `grace`, unless it ended (SIGKILL at
+/// once for no grace).
+fn stop(id: u64, p: &Proc, grace: Duration) {
+    let pid = p.pid;
+    if grace.is_zero() {
+        tracing::info!(id, pid, "killing process group");
+        signal_group(pid, Signal::SIGKILL);
+        return;
+    }
+    tracing::info!(
+        id,
+        pid,
+        grace_ms = grace.as_millis() as u64,
+        "stopping process group"
+    );
+    signal_group(pid, Signal::SIGTERM);
+    let mut done = p.done.clone();
+    tokio::spawn(async move {
+        if tokio::time::timeout(grace, done.wait_for(|d| *d))
+            .await
+            .is_err()
+        {
+            tracing::info!(id, pid, "still running after the grace; SIGKILL");
+            signal_group(pid, Signal::SIGKILL);
+        }
+    });
+}
+
+fn signal_group(pid: i32, sig: Signal) {
+    if let Err(e) = killpg(Pid::from_raw(pid), sig) {
+        tracing::debug!(pid, %sig, error = %e, "signalling the process group failed (gone?)");
+    }
+}
+
+/// Stops every process (SIGTERM, SIGKILL after the grace) and waits until they are reaped.
+async fn stop_all(procs: &mut HashMap<u64, Proc>, done_rx: &mut mpsc::Receiver<u64>) {
+    for sig in [Signal::SIGTERM, Signal::SIGKILL] {
+        if procs.is_empty() {
+            return;
+        }
+        for p in procs.values() {
+            signal_group(p.pid, sig);
+        }
+        let _ = tokio::time::timeout(TERM_GRACE, async {
+            while !procs.is_empty() {
+                match done_rx.recv().await {
+                    Some(id) => {
+                        procs.remove(&id);
+                    }
+                    None => return,
+                }
+            }
+        })
+        .await;
+    }
+}
+
+fn start(
+    id: u64,
+    argv: &[String],
+    env: Vec<(String, String)>,
+    cwd: Option<&str>,
+    out: &mpsc::Sender<FromAgent>,
+    done_tx: &mpsc::Sender<u64>,
+) -> Result<Proc, String> {
+    let Some(program) = argv.first() else {
+        return Err("empty command".into());
+    };
+    let mut cmd = Command::new(program);
+    cmd.args(&argv[1..]);
+    for k in PRIVATE_ENV {
+        cmd.env_remove(k);
+    }
+    cmd.envs(env);
+    if let Some(dir) = cwd {
+        if !std::path::Path::new(dir).is_dir() {
+            return Err(format!(
+                "working directory {dir} does not exist on this host"
+            ));
+        }
+        cmd.current_dir(dir);
+    }
+    // Its own process group, so stopping it stops whatever it started too.
+    cmd.process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().map_err(|e| format!("{program}: {e}"))?;
+    let pid = child
+        .id()
+        .and_then(|p| i32::try_from(p).ok())
+        .ok_or_else(|| format!("{program}: exited before its pid was known"))?;
+    tracing::info!(id, pid, %program, "process started");
+    let mut relays = Vec::new();
+    if let Some(o) = child.stdout.take() {
+        relays.push(tokio::spawn(relay(id, Stream::Stdout, o, out.clone())));
+    }
+    if let Some(e) = child.stderr.take() {
+        relays.push(tokio::spawn(relay(id, Stream::Stderr, e, out.clone())));
+    }
+    let (done_set, done) = watch::channel(false);
+    let (out, done_tx) = (out.clone(), done_tx.clone());
+    tokio::spawn(async move {
+        let (code, signal) = match child.wait().await {
+            Ok(st) => (st.code(), st.signal()),
+            Err(e) => {
+                tracing::error!(id, error = %e, "waiting for the process failed");
+                (None, None)
+            }
+        };
+        let _ = done_set.send(true);
+        tracing::info!(id, pid, ?code, ?signal, "process exited");
+        for r in relays {
+            if tokio::time::timeout(DRAIN, r).await.is_err() {
+                tracing::debug!(
+                    id,
+                    "output still open after exit (a child holds it); not waiting"
+                );
+            }
+        }
+        let _ = out.send(FromAgent::Exited { id, code, signal }).await;
+        let _ = done_tx.send(id).await;
+    });
+    Ok(Proc { pid, done })
+}
+
+/// Sends each line of one pipe of process `id` to the driver.
+async fn relay(
+    id: u64,
+    stream: Stream,
+    pipe: impl AsyncRead + Unpin,
+    out: mpsc::Sender<FromAgent>,
+) {
+    let mut r = BufReader::new(pipe);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match (&mut r)
+            .take(MAX_OUTPUT_LINE as u64)
+            .read_until(b'\n', &mut buf)
+            .await
+        {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if buf.ends_with(b"\n") {
+            buf.pop();
+        }
+        let line = String::from_utf8_lossy(&buf).into_owned();
+        if out
+            .send(FromAgent::Output { id, stream, line })
+            .await
+            .is_err()
+        {
+            return; // the connection is gone; its processes are being stopped
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! The `hvd-agent` binary: it refuses to start without a secret, keeps the secret from the
+//! processes it starts, and stops them when it is told to shut down.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hvd_agent::{FromAgent, ToAgent, connect};
+
+const T: Duration = Duration::from_secs(10);
+
+/// A running `hvd-agent`, killed when dropped.
+struct Agent {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn agent(args: &[&str], secret: Option<&str>) -> Agent {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hvd-agent"));
+    cmd.args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .env("RUST_LOG", "info");
+    cmd.env_remove("HVD_AGENT_SECRET");
+    if let Some(s) = secret {
+        cmd.env("HVD_AGENT_SECRET", s);
+    }
+    let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let l = lines
+            .next()
+            .expect("agent exited before listening")
+            .unwrap();
+        if let Some((_, a)) = l.split_once("addr=") {
+            break a.split_whitespace().next().unwrap().to_string();
+        }
+    };
+    // Keep reading its log so it never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines.map_while(Result::ok) {});
+    Agent { child, addr }
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+    })
+}
+
+#[test]
+fn without_a_secret_it_refuses_to_start() {
+    let out = Command::new(env!("CARGO_BIN_EXE_hvd-agent"))
+        .args(["--listen", "127.0.0.1:0"])
+        .env_remove("HVD_AGENT_SECRET")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("HVD_AGENT_SECRET") && err.contains("--secret-file"),
+        "{err}"
+    );
+    let empty = std::env::temp_dir().join(format!("hvd-agent-empty-{}", std::process::id()));
+    std::fs::write(&empty, "\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_hvd-agent"))
+        .args(["--listen", "127.0.0.1:0", "--secret-file"])
+        .arg(&empty)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&empty);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is empty"));
+}
+
+#[tokio::test]
+async fn the_secret_file_works_and_the_secret_does_not_reach_the_processes() {
+    let file = std::env::temp_dir().join(format!("hvd-agent-secret-{}", std::process::id()));
+    std::fs::write(&file, "from-file\n").unwrap();
+    // The environment's secret is not the one in use, and must not leak either.
+    let a = agent(&["--secret-file", file.to_str().unwrap()], Some("from-env"));
+    let _ = std::fs::remove_file(&file);
+    assert!(connect(&a.addr, "from-env", T).await.is_err());
+    let (mut ev, mut rq) = connect(&a.addr, "from-file", T).await.unwrap();
+    rq.send(&ToAgent::Start {
+        id: 1,
+        argv: vec![
+            "sh".into(),
+            "-c".into(),
+            "echo \"secret=${HVD_AGENT_SECRET:-unset}\"".into(),
+        ],
+        env: vec![],
+        cwd: None,
+    })
+    .await
+    .unwrap();
+    let mut lines = Vec::new();
+    loop {
+        match tokio::time::timeout(T, ev.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap()
+        {
+            FromAgent::Output { line, .. } => lines.push(line),
+            FromAgent::Exited { .. } => break,
+            _ => {}
+        }
+    }
+    assert_eq!(lines, ["secret=unset"]);
+}
+
+#[tokio::test]
+async fn sigterm_stops_the_agent_and_its_processes() {
+    let mut a = agent(&[], Some("s"));
+    let (mut ev, mut rq) = connect(&a.addr, "s", T).await.unwrap();
+    rq.send(&ToAgent::Start {
+        id: 1,
+        argv: vec!["sleep".into(), "30".into()],
+        env: vec![],
+        cwd: None,
+    })
+    .await
+    .unwrap();
+    let pid = match tokio::time::timeout(T, ev.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap()
+    {
+        FromAgent::Started { pid, .. } => pid as i32,
+        other => panic!("{other:?}"),
+    };
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(a.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    // The driver hears the exit, then the agent ends.
+    match tokio::time::timeout(T, ev.next()).await.unwrap().unwrap() {
+        Some(FromAgent::Exited { id: 1, signal, .. }) => assert_eq!(signal, Some(15)),
+        other => panic!("{other:?}"),
+    }
+    let deadline = Instant::now() + T;
+    let status = loop {
+        if let Some(st) = a.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "agent did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+    assert!(!alive(pid));
+}
