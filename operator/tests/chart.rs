@@ -463,6 +463,30 @@ impl Object {
             .collect()
     }
 
+    /// Asserts the string at each `prefix` + path.
+    fn assert_strs(&self, prefix: &str, expected: &[(&str, &str)]) {
+        for (path, want) in expected {
+            let path = format!("{prefix}{path}");
+            let got = self.str(&path);
+            assert_eq!(
+                got.as_deref(),
+                Some(*want),
+                "{}/{} {path}",
+                self.kind(),
+                self.name()
+            );
+        }
+    }
+
+    /// Asserts the JSON text (numbers, booleans) at each `prefix` + path.
+    fn assert_json(&self, prefix: &str, expected: &[(&str, &str)]) {
+        for (path, want) in expected {
+            let path = format!("{prefix}{path}");
+            let got = self.json(&path);
+            assert_eq!(got, Some(*want), "{}/{} {path}", self.kind(), self.name());
+        }
+    }
+
     fn kind(&self) -> String {
         self.str(".kind").unwrap_or_default()
     }
@@ -744,17 +768,15 @@ fn cluster_wide_install_uses_a_cluster_role() {
     let role = o.get("ClusterRole", "hvd");
     assert_eq!(role.namespace(), None);
     assert!(o.find("Role", "hvd").is_none(), "{:?}", o.names());
-    let binding = o.get("ClusterRoleBinding", "hvd");
-    assert_eq!(binding.str(".roleRef.kind").as_deref(), Some("ClusterRole"));
-    assert_eq!(binding.str(".roleRef.name").as_deref(), Some("hvd"));
-    assert_eq!(
-        binding.str(".subjects[0].kind").as_deref(),
-        Some("ServiceAccount")
-    );
-    assert_eq!(binding.str(".subjects[0].name").as_deref(), Some("hvd"));
-    assert_eq!(
-        binding.str(".subjects[0].namespace").as_deref(),
-        Some(RELEASE_NAMESPACE)
+    o.get("ClusterRoleBinding", "hvd").assert_strs(
+        "",
+        &[
+            (".roleRef.kind", "ClusterRole"),
+            (".roleRef.name", "hvd"),
+            (".subjects[0].kind", "ServiceAccount"),
+            (".subjects[0].name", "hvd"),
+            (".subjects[0].namespace", RELEASE_NAMESPACE),
+        ],
     );
     let args = deployment_args(&r);
     assert!(!args.iter().any(|a| a == "--namespace"), "{args:?}");
@@ -778,12 +800,13 @@ fn namespaced_install_uses_a_role_in_the_watched_namespace() {
         role.verbs("hvd.dev", "elasticjobs")
             .contains(&"watch".to_owned())
     );
-    let binding = o.get("RoleBinding", "hvd");
-    assert_eq!(binding.namespace().as_deref(), Some("team-a"));
-    assert_eq!(binding.str(".roleRef.kind").as_deref(), Some("Role"));
-    assert_eq!(
-        binding.str(".subjects[0].namespace").as_deref(),
-        Some(RELEASE_NAMESPACE)
+    o.get("RoleBinding", "hvd").assert_strs(
+        "",
+        &[
+            (".metadata.namespace", "team-a"),
+            (".roleRef.kind", "Role"),
+            (".subjects[0].namespace", RELEASE_NAMESPACE),
+        ],
     );
     let args = deployment_args(&r);
     let at = args
@@ -857,63 +880,34 @@ fn leader_election_follows_replicas_and_values() {
 fn deployment_reflects_the_values() {
     let r = render(&["--values", &namespaced_values()]);
     let d = r.objects.get("Deployment", "hvd");
-    let c = ".spec.template.spec.containers[0]";
-    assert_eq!(
-        d.str(&format!("{c}.image")).as_deref(),
-        Some("registry.example.com/ml/hvd:0.1.0-rc1")
-    );
-    assert_eq!(
-        d.str(&format!("{c}.imagePullPolicy")).as_deref(),
-        Some("Always")
-    );
-    assert_eq!(d.strs(&format!("{c}.command")), ["hvd-operator"]);
-    assert_eq!(
-        d.str(&format!("{c}.env[0].name")).as_deref(),
-        Some("RUST_LOG")
-    );
-    assert_eq!(
-        d.str(&format!("{c}.env[0].value")).as_deref(),
-        Some("info,hvd_operator=debug")
-    );
     let spec = ".spec.template.spec";
-    assert_eq!(
-        d.str(&format!("{spec}.serviceAccountName")).as_deref(),
-        Some("hvd-operator")
-    );
-    assert_eq!(
-        d.str(&format!("{spec}.imagePullSecrets[0].name"))
-            .as_deref(),
-        Some("registry-credentials")
-    );
-    assert_eq!(
-        d.str(&format!("{spec}.nodeSelector[\"kubernetes.io/os\"]"))
-            .as_deref(),
-        Some("linux")
-    );
-    assert_eq!(
-        d.str(&format!("{spec}.tolerations[0].key")).as_deref(),
-        Some("dedicated")
-    );
-    assert_eq!(
-        d.str(&format!("{spec}.priorityClassName")).as_deref(),
-        Some("ml-platform-high")
+    d.assert_strs(
+        spec,
+        &[
+            (
+                ".containers[0].image",
+                "registry.example.com/ml/hvd:0.1.0-rc1",
+            ),
+            (".containers[0].imagePullPolicy", "Always"),
+            (".containers[0].command[0]", "hvd-operator"),
+            (".containers[0].env[0].name", "RUST_LOG"),
+            (".containers[0].env[0].value", "info,hvd_operator=debug"),
+            (".serviceAccountName", "hvd-operator"),
+            (".imagePullSecrets[0].name", "registry-credentials"),
+            (".nodeSelector[\"kubernetes.io/os\"]", "linux"),
+            (".tolerations[0].key", "dedicated"),
+            (".priorityClassName", "ml-platform-high"),
+        ],
     );
     let anti = ".affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution";
-    assert_eq!(d.json(&format!("{spec}{anti}[0].weight")), Some("100"));
-    assert_eq!(
-        r.objects
-            .get("ServiceAccount", "hvd-operator")
-            .str(".metadata.annotations[\"example.com/owner\"]")
-            .as_deref(),
-        Some("ml-platform")
+    d.assert_json(spec, &[(&format!("{anti}[0].weight"), "100")]);
+    r.objects.get("ServiceAccount", "hvd-operator").assert_strs(
+        ".metadata.annotations",
+        &[("[\"example.com/owner\"]", "ml-platform")],
     );
     // Pods are selected by labels that an upgrade never changes.
     let selector = ".spec.selector.matchLabels";
-    assert_eq!(
-        d.str(&format!("{selector}[\"app.kubernetes.io/instance\"]"))
-            .as_deref(),
-        Some("hvd")
-    );
+    d.assert_strs(selector, &[("[\"app.kubernetes.io/instance\"]", "hvd")]);
     assert!(d.json(&format!("{selector}[\"helm.sh/chart\"]")).is_none());
 }
 
@@ -922,28 +916,22 @@ fn operator_runs_restricted_by_default() {
     let r = render(&["--set", "image.tag=dev", "--set", "logLevel=debug"]);
     let d = r.objects.get("Deployment", "hvd");
     let c = ".spec.template.spec.containers[0]";
-    assert_eq!(d.str(&format!("{c}.image")).as_deref(), Some("hvd:dev"));
-    assert_eq!(
-        d.str(&format!("{c}.env[0].value")).as_deref(),
-        Some("debug")
-    );
-    let sc = format!("{c}.securityContext");
-    assert_eq!(d.json(&format!("{sc}.runAsNonRoot")), Some("true"));
-    assert_eq!(
-        d.json(&format!("{sc}.readOnlyRootFilesystem")),
-        Some("true")
+    d.assert_strs(c, &[(".image", "hvd:dev"), (".env[0].value", "debug")]);
+    d.assert_json(
+        c,
+        &[
+            (".securityContext.runAsNonRoot", "true"),
+            (".securityContext.readOnlyRootFilesystem", "true"),
+            (".securityContext.allowPrivilegeEscalation", "false"),
+        ],
     );
     assert_eq!(
-        d.json(&format!("{sc}.allowPrivilegeEscalation")),
-        Some("false")
+        d.strs(&format!("{c}.securityContext.capabilities.drop")),
+        ["ALL"]
     );
-    assert_eq!(d.strs(&format!("{sc}.capabilities.drop")), ["ALL"]);
     let pod = ".spec.template.spec.securityContext";
-    assert_eq!(d.json(&format!("{pod}.runAsNonRoot")), Some("true"));
-    assert_eq!(
-        d.str(&format!("{pod}.seccompProfile.type")).as_deref(),
-        Some("RuntimeDefault")
-    );
+    d.assert_json(pod, &[(".runAsNonRoot", "true")]);
+    d.assert_strs(pod, &[(".seccompProfile.type", "RuntimeDefault")]);
     assert!(d.str(&format!("{c}.resources.limits.memory")).is_some());
     // Without a tag the image follows the chart's appVersion.
     let plain = render(&[]);
@@ -1129,24 +1117,25 @@ fn min_max_rule(rows: &[Vec<String>]) -> &Vec<String> {
 fn crd_is_the_contracted_elastic_job() {
     let crd = Objects::read(&crd_file());
     let crd = crd.get("CustomResourceDefinition", "elasticjobs.hvd.dev");
-    assert_eq!(crd.str(".spec.group").as_deref(), Some("hvd.dev"));
-    assert_eq!(crd.str(".spec.scope").as_deref(), Some("Namespaced"));
-    assert_eq!(crd.str(".spec.names.kind").as_deref(), Some("ElasticJob"));
-    assert_eq!(
-        crd.str(".spec.names.plural").as_deref(),
-        Some("elasticjobs")
+    crd.assert_strs(
+        ".spec",
+        &[
+            (".group", "hvd.dev"),
+            (".scope", "Namespaced"),
+            (".names.kind", "ElasticJob"),
+            (".names.plural", "elasticjobs"),
+            (".versions[0].name", "v1alpha1"),
+            (
+                ".versions[0].subresources.scale.specReplicasPath",
+                ".spec.replicas",
+            ),
+        ],
     );
     assert!(
         crd.strs(".spec.names.shortNames")
             .contains(&"ej".to_owned())
     );
     let v = ".spec.versions[0]";
-    assert_eq!(crd.str(&format!("{v}.name")).as_deref(), Some("v1alpha1"));
-    assert_eq!(
-        crd.str(&format!("{v}.subresources.scale.specReplicasPath"))
-            .as_deref(),
-        Some(".spec.replicas")
-    );
     assert_eq!(crd.json(&format!("{v}.subresources.status")), Some("{}"));
     let spec = format!("{v}.schema.openAPIV3Schema.properties.spec.properties");
     for field in [
