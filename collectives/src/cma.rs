@@ -8,6 +8,7 @@
 //! Whether it is used is agreed by every rank when the mesh is built: same boot id, and every
 //! rank could read a known word from every peer. Anything else (another host, a container that
 //! forbids the call) falls back to TCP everywhere, so ranks never disagree on the algorithm.
+//! The same agreement is made within each host group, for hierarchical allreduce.
 
 use std::io::{self, IoSliceMut, Read, Write};
 use std::net::TcpStream;
@@ -49,14 +50,29 @@ pub(crate) fn read_remote(pid: Pid, addr: usize, out: &mut [u8]) -> io::Result<(
     Ok(())
 }
 
-/// Agrees with every peer whether all ranks can use cross-memory attach; returns the peers'
-/// process ids by rank when they can. `enabled` is this rank's own setting; one rank that
-/// disables it disables it for all.
+/// What the ranks agreed about reading each other's memory.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Agreement {
+    /// Every rank's process id (this rank's own included).
+    pub(crate) pids: Vec<Pid>,
+    /// Every rank of the world runs on this host and may read every other.
+    pub(crate) world: bool,
+    /// Every host group agreed on `local`, and every rank wants hierarchical collectives.
+    pub(crate) hierarchical: bool,
+}
+
+/// Agrees with every peer which ranks can use cross-memory attach. `host_of[j]` is rank `j`'s
+/// host group (ranks listening on one address form one host, so that one machine can play
+/// several hosts); `enabled` is this rank's own setting, and one rank that disables it
+/// disables it for every group it belongs to. `hierarchical` is this rank's wish for
+/// hierarchical collectives; they need every rank's.
 pub(crate) fn negotiate(
     rank: usize,
     streams: &mut [Option<TcpStream>],
+    host_of: &[usize],
     enabled: bool,
-) -> io::Result<Option<Vec<Pid>>> {
+    hierarchical: bool,
+) -> io::Result<Agreement> {
     let me = boot_id();
     let mut record = [0u8; RECORD];
     record[..4].copy_from_slice(&std::process::id().to_le_bytes());
@@ -70,7 +86,8 @@ pub(crate) fn negotiate(
     }
     let mut pids = vec![Pid::from_raw(0); streams.len()];
     pids[rank] = Pid::this();
-    let mut ok = enabled && me.is_some();
+    // Bit 0: this rank can read every peer; bit 1: every peer of its own host group.
+    let mut can = [enabled && me.is_some(); 2];
     for (j, s) in streams.iter_mut().enumerate() {
         let Some(s) = s else { continue };
         let mut theirs = [0u8; RECORD];
@@ -79,22 +96,47 @@ pub(crate) fn negotiate(
         let mut a = [0u8; 8];
         a.copy_from_slice(&theirs[4..12]);
         pids[j] = Pid::from_raw(pid);
-        if !ok || me.is_none_or(|b| b[..] != theirs[12..]) {
-            ok = false;
+        let same_host = host_of[j] == host_of[rank];
+        if !(can[0] || (same_host && can[1])) {
             continue;
         }
-        let mut word = [0u8; 8];
-        let addr = usize::try_from(u64::from_le_bytes(a)).unwrap_or(0);
-        ok = read_remote(pids[j], addr, &mut word).is_ok() && u64::from_le_bytes(word) == PROBE;
+        let readable = me.is_some_and(|b| b[..] == theirs[12..]) && {
+            let mut word = [0u8; 8];
+            let addr = usize::try_from(u64::from_le_bytes(a)).unwrap_or(0);
+            read_remote(pids[j], addr, &mut word).is_ok() && u64::from_le_bytes(word) == PROBE
+        };
+        can[0] &= readable;
+        if same_host {
+            can[1] &= readable;
+        }
     }
+    let verdict = u8::from(can[0]) | (u8::from(can[1]) << 1);
     for s in streams.iter_mut().flatten() {
-        s.write_all(&[u8::from(ok)])?;
+        s.write_all(&[verdict])?;
     }
-    let mut all = ok;
+    let one_host = host_of.iter().all(|&h| h == host_of[rank]);
+    let (mut world, mut local) = (can[0] && one_host, can[1]);
+    for (j, s) in streams.iter_mut().enumerate() {
+        let Some(s) = s else { continue };
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b)?;
+        world &= b[0] & 1 == 1;
+        if host_of[j] == host_of[rank] {
+            local &= b[0] & 2 == 2;
+        }
+    }
+    let mut all = local && hierarchical;
+    for s in streams.iter_mut().flatten() {
+        s.write_all(&[u8::from(all)])?;
+    }
     for s in streams.iter_mut().flatten() {
         let mut b = [0u8; 1];
         s.read_exact(&mut b)?;
         all &= b[0] == 1;
     }
-    Ok(all.then_some(pids))
+    Ok(Agreement {
+        pids,
+        world,
+        hierarchical: all,
+    })
 }

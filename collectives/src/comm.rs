@@ -30,6 +30,33 @@ pub struct Communicator {
     txbuf: Vec<u8>,
     /// Every rank's process id, when all ranks share this host and may read each other.
     pub(crate) cma: Option<Vec<nix::unistd::Pid>>,
+    /// The host and cross-host halves of this world, when allreduce runs hierarchically.
+    pub(crate) hier: Option<Hierarchy>,
+}
+
+/// The two communicators of a hierarchical allreduce, over the world's own sockets: the ranks
+/// of this host (reading each other's memory), and the ranks holding this rank's local index
+/// on every host (over TCP). They run only inside a world collective, so their messages never
+/// interleave with the world's.
+#[derive(Debug)]
+pub(crate) struct Hierarchy {
+    pub(crate) local: Box<Communicator>,
+    pub(crate) cross: Box<Communicator>,
+}
+
+/// Each rank's host group: ranks listening on one address share a host. Groups are numbered
+/// in order of their lowest rank.
+fn host_groups(peers: &[SocketAddr]) -> Vec<usize> {
+    let mut seen: Vec<std::net::IpAddr> = Vec::new();
+    peers
+        .iter()
+        .map(|p| {
+            seen.iter().position(|&ip| ip == p.ip()).unwrap_or_else(|| {
+                seen.push(p.ip());
+                seen.len() - 1
+            })
+        })
+        .collect()
 }
 
 /// How long a read may wait: for peers to arrive, or for data from peers already there.
@@ -42,7 +69,11 @@ pub(crate) enum Phase {
 impl Communicator {
     /// A world of one: every collective returns at once with this rank's data.
     pub fn single() -> Self {
-        Self::from_streams(CommConfig::new(0, 1, ""), vec![None])
+        Self::from_streams(
+            CommConfig::new(0, 1, ""),
+            vec![None],
+            Arc::new(Shared::default()),
+        )
     }
 
     /// Connects rank `cfg.rank` to every peer: `peers[j]` is where rank `j` listens, and
@@ -64,25 +95,113 @@ impl Communicator {
             });
         }
         let mut streams = connect::mesh(&cfg, listener, peers)?;
-        let cma = crate::cma::negotiate(cfg.rank, &mut streams, cfg.same_host_copy).map_err(
-            |source| CommError::Io {
-                context: "agreeing on same-host transfers".into(),
-                source,
-            },
-        )?;
-        let mut comm = Self::from_streams(cfg, streams);
-        comm.cma = cma;
+        let host_of = host_groups(peers);
+        let agreed = crate::cma::negotiate(
+            cfg.rank,
+            &mut streams,
+            &host_of,
+            cfg.same_host_copy,
+            cfg.hierarchical != Some(false),
+        )
+        .map_err(|source| CommError::Io {
+            context: "agreeing on same-host transfers".into(),
+            source,
+        })?;
+        let forced = cfg.hierarchical == Some(true);
+        let mut comm = Self::from_streams(cfg, streams, Arc::new(Shared::default()));
+        comm.cma = agreed.world.then(|| agreed.pids.clone());
+        comm.split_hosts(&host_of, &agreed, forced)?;
         tracing::debug!(
             rank = comm.rank(),
             size = comm.size(),
             same_host_copy = comm.cma.is_some(),
+            hierarchical = comm.hier.is_some(),
             "communicator connected"
         );
         Ok(comm)
     }
 
-    fn from_streams(cfg: CommConfig, streams: Vec<Option<TcpStream>>) -> Self {
-        let shared = Arc::new(Shared::default());
+    /// Sets up hierarchical allreduce when the world spans hosts with the same number (more
+    /// than one) of ranks each, every host group could agree on same-host reads, and every rank
+    /// wants it. The decision depends only on what every rank agreed, so all make the same one.
+    fn split_hosts(
+        &mut self,
+        host_of: &[usize],
+        agreed: &crate::cma::Agreement,
+        forced: bool,
+    ) -> Result<()> {
+        let hosts = host_of.iter().max().map_or(0, |&h| h + 1);
+        if hosts < 2 {
+            return Ok(());
+        }
+        let groups: Vec<Vec<usize>> = (0..hosts)
+            .map(|h| (0..host_of.len()).filter(|&r| host_of[r] == h).collect())
+            .collect();
+        let per_host = groups[0].len();
+        let why_not = if groups.iter().any(|g| g.len() != per_host) {
+            Some("hosts run different numbers of ranks")
+        } else if per_host < 2 {
+            Some("every host runs one rank")
+        } else if !agreed.hierarchical {
+            Some("not every host could read its ranks' memory, or a rank disabled it")
+        } else {
+            None
+        };
+        if let Some(reason) = why_not {
+            if forced {
+                tracing::warn!(
+                    reason,
+                    "hierarchical allreduce was asked for but cannot apply"
+                );
+            }
+            return Ok(());
+        }
+        let me = self.rank();
+        let local_members = &groups[host_of[me]];
+        let index = local_members.iter().position(|&r| r == me).unwrap_or(0);
+        let cross_members: Vec<usize> = groups.iter().map(|g| g[index]).collect();
+        let pids = local_members.iter().map(|&r| agreed.pids[r]).collect();
+        let local = self.sub(local_members, Some(pids))?;
+        let cross = self.sub(&cross_members, None)?;
+        self.hier = Some(Hierarchy {
+            local: Box::new(local),
+            cross: Box::new(cross),
+        });
+        Ok(())
+    }
+
+    /// A communicator among `members` (world ranks, ascending position = new rank) over
+    /// duplicates of this one's sockets, failing together with it.
+    fn sub(&self, members: &[usize], cma: Option<Vec<nix::unistd::Pid>>) -> Result<Self> {
+        let mut cfg = self.cfg.clone();
+        cfg.rank = members.iter().position(|&r| r == self.rank()).unwrap_or(0);
+        cfg.size = members.len();
+        cfg.hierarchical = Some(false);
+        let mut streams = Vec::with_capacity(members.len());
+        for &m in members {
+            let s = match self.readers[m].as_ref() {
+                Some(s) if m != self.rank() => {
+                    Some(s.try_clone().map_err(|source| CommError::Io {
+                        context: "duplicating a socket for hierarchical allreduce".into(),
+                        source,
+                    })?)
+                }
+                _ => None,
+            };
+            streams.push(s);
+        }
+        let mut c = Self::from_streams(cfg, streams, Arc::clone(&self.shared));
+        c.cma = cma;
+        Ok(c)
+    }
+
+    /// Forgets which read timeouts are set: another communicator over the same sockets may
+    /// have changed them.
+    pub(crate) fn forget_timeouts(&mut self) {
+        self.read_timeouts.iter_mut().for_each(|t| *t = None);
+    }
+
+    fn from_streams(cfg: CommConfig, streams: Vec<Option<TcpStream>>, shared: Arc<Shared>) -> Self {
         let mut readers = Vec::with_capacity(streams.len());
         let mut writers = Vec::with_capacity(streams.len());
         let mut broken = None;
@@ -119,6 +238,7 @@ impl Communicator {
             broken,
             txbuf: Vec::new(),
             cma: None,
+            hier: None,
         }
     }
 
@@ -130,6 +250,12 @@ impl Communicator {
     /// Number of ranks.
     pub fn size(&self) -> usize {
         self.cfg.size
+    }
+
+    /// Whether allreduce runs hierarchically: on each host, then across hosts, then on each
+    /// host again (see [`crate::CommConfig::hierarchical`]).
+    pub fn is_hierarchical(&self) -> bool {
+        self.hier.is_some()
     }
 
     /// A handle that aborts this communicator from another thread.

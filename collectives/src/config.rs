@@ -27,6 +27,11 @@ pub struct CommConfig {
     /// Whether ranks that all run on one host read each other's buffers directly
     /// (cross-memory attach) instead of sending them over TCP. Every rank must allow it.
     pub same_host_copy: bool,
+    /// Hierarchical allreduce when the ranks span several hosts: `None` uses it where it
+    /// applies (several hosts, the same number of ranks on each, more than one per host),
+    /// `Some(true)` asks for it (logged when it cannot apply), `Some(false)` never uses it.
+    /// Ranks listening on one address form one host. Every rank must want it.
+    pub hierarchical: Option<bool>,
 }
 
 impl CommConfig {
@@ -43,6 +48,7 @@ impl CommConfig {
             segment_bytes: 1024 * 1024,
             small_bytes: 32 * 1024,
             same_host_copy: true,
+            hierarchical: None,
         }
     }
 

@@ -149,8 +149,16 @@ impl Communicator {
             buf.copy_from_slice(&acc);
             return Ok(());
         }
+        if let Some(mut h) = self.hier.take_if(|_| allgather) {
+            h.local.forget_timeouts();
+            h.cross.forget_timeouts();
+            let done = h.local.hierarchical(buf, op, tensors, &mut h.cross);
+            self.hier = Some(h);
+            self.forget_timeouts();
+            return done.map_err(|e| self.fail(e));
+        }
         if let Some(pids) = self.cma.clone() {
-            return self.reduce_same_host(kind, buf, op, mine, &pids, allgather);
+            return self.reduce_same_host(kind, buf, op, mine, &pids, allgather, None);
         }
         self.open(
             mine,
@@ -172,10 +180,34 @@ impl Communicator {
         )
     }
 
+    /// Hierarchical allreduce, called on the host communicator: reduce-scatter on the host,
+    /// allreduce of this rank's block with the ranks of the same local index on the other hosts,
+    /// then gather the blocks on the host. Across hosts each rank sends 1/local_size of what a
+    /// flat ring would.
+    fn hierarchical<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+        tensors: usize,
+        cross: &mut Communicator,
+    ) -> Result<()> {
+        let seq = self.begin()?;
+        let mut mine = desc::<T>(Kind::Allreduce, Some(op), seq, buf.len());
+        mine.row_len = tensors as u64;
+        let Some(pids) = self.cma.clone() else {
+            return Err(self.fail(CommError::Broken {
+                cause: "same-host transfers are not set up".into(),
+            }));
+        };
+        self.reduce_same_host(Kind::Allreduce, buf, op, mine, &pids, true, Some(cross))
+    }
+
     /// Reduce-scatter (and allgather) among ranks of one host, reading peers' buffers in place.
     /// Rank `r` alone reduces block `r`, in rank order, so every rank gets bit-identical
     /// results; a barrier separates the phases, and another keeps every buffer untouched until
-    /// no peer reads it any more.
+    /// no peer reads it any more. With `cross`, block `r` is then allreduced among the
+    /// other hosts' ranks of the same local index before the blocks are gathered.
+    #[allow(clippy::too_many_arguments)]
     fn reduce_same_host<T: Element>(
         &mut self,
         kind: Kind,
@@ -184,6 +216,7 @@ impl Communicator {
         mut mine: Descriptor,
         pids: &[nix::unistd::Pid],
         allgather: bool,
+        cross: Option<&mut Communicator>,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
         let name = kind.name();
@@ -224,13 +257,22 @@ impl Communicator {
                 }
                 T::reduce_into(&mut buf[at..at + len], &tmp[..len], op.combining());
             }
-            if op == ReduceOp::Average {
+            // Across hosts, an average is a sum divided once at the end (as the flat path does).
+            if op == ReduceOp::Average && cross.is_none() {
                 T::divide(&mut buf[at..at + len], n);
             }
             at += len;
         }
         if let Some((p, e)) = failed {
             return Err(self.fail(left_collective(p, name, &e)));
+        }
+        if let Some(x) = cross {
+            if let Err(e) = x.allreduce(&mut buf[lo..hi], op.combining()) {
+                return Err(self.fail(e));
+            }
+            if op == ReduceOp::Average {
+                T::divide(&mut buf[lo..hi], n * x.size());
+            }
         }
         self.barrier()?;
         if allgather {

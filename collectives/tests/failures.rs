@@ -10,7 +10,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use hvd_collectives::{CommConfig, CommError, Communicator, ReduceOp};
-use support::{world, world_with};
+use support::{world, world_on, world_with};
 
 #[test]
 fn length_mismatch_names_both_sides_on_every_rank_and_comm_survives() {
@@ -118,35 +118,47 @@ fn invalid_arguments_on_one_rank_fail_every_rank() {
 /// other rank's call fail fast, and every later call reports the communicator broken.
 #[test]
 fn peer_dying_mid_allreduce_fails_the_others_fast() {
-    let out = world(4, |comm| {
-        if comm.rank() == 3 {
-            let abort = comm.abort_handle();
-            let killer = thread::spawn(move || {
-                thread::sleep(Duration::from_millis(30));
-                abort.abort("simulated death");
-            });
-            // Loops until the abort lands inside a call.
-            while comm
-                .allreduce(&mut vec![1.0f32; 4 << 20], ReduceOp::Sum)
-                .is_ok()
-            {}
-            killer.join().expect("killer");
-            return None;
+    // One host; then two hosts (127.0.0.2 and .3) where allreduce runs hierarchically.
+    let one: &[&str] = &["127.0.0.1"; 4];
+    let two: &[&str] = &["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
+    for ips in [one, two] {
+        let out = world_on(
+            ips,
+            |_| {},
+            |comm| {
+                if comm.rank() == 3 {
+                    let abort = comm.abort_handle();
+                    let killer = thread::spawn(move || {
+                        thread::sleep(Duration::from_millis(30));
+                        abort.abort("simulated death");
+                    });
+                    // Loops until the abort lands inside a call.
+                    while comm
+                        .allreduce(&mut vec![1.0f32; 4 << 20], ReduceOp::Sum)
+                        .is_ok()
+                    {}
+                    killer.join().expect("killer");
+                    return None;
+                }
+                let started = Instant::now();
+                let err = loop {
+                    if let Err(e) = comm.allreduce(&mut vec![1.0f32; 4 << 20], ReduceOp::Sum) {
+                        break e;
+                    }
+                };
+                let failed_after = started.elapsed();
+                let later = comm.allreduce(&mut [1.0f32], ReduceOp::Sum).unwrap_err();
+                Some((err, failed_after, later))
+            },
+        );
+        for (err, after, later) in out.into_iter().flatten() {
+            assert!(matches!(err, CommError::PeerLost { .. }), "{ips:?}: {err}");
+            assert!(after < Duration::from_secs(3), "{ips:?}: took {after:?}");
+            assert!(
+                matches!(later, CommError::Broken { .. }),
+                "{ips:?}: {later}"
+            );
         }
-        let started = Instant::now();
-        let err = loop {
-            if let Err(e) = comm.allreduce(&mut vec![1.0f32; 4 << 20], ReduceOp::Sum) {
-                break e;
-            }
-        };
-        let failed_after = started.elapsed();
-        let later = comm.allreduce(&mut [1.0f32], ReduceOp::Sum).unwrap_err();
-        Some((err, failed_after, later))
-    });
-    for (err, after, later) in out.into_iter().flatten() {
-        assert!(matches!(err, CommError::PeerLost { .. }), "{err}");
-        assert!(after < Duration::from_secs(3), "took {after:?}");
-        assert!(matches!(later, CommError::Broken { .. }), "{later}");
     }
 }
 

@@ -7,7 +7,7 @@
 mod support;
 
 use hvd_collectives::{Communicator, ReduceOp, bf16, f16};
-use support::{TestElem, world, world_with};
+use support::{TestElem, world, world_on, world_with};
 
 const OPS: [ReduceOp; 5] = [
     ReduceOp::Sum,
@@ -236,6 +236,84 @@ fn every_rank_gets_bit_identical_floats() {
         assert!(
             results.iter().all(|r| r == &results[0]),
             "len {len} (same-host copy {direct}): ranks disagree"
+        );
+    }
+}
+
+/// Runs every check on a world over `ips`; returns whether each rank ran hierarchically.
+fn check_on(ips: &[&str], tweak: impl Fn(&mut hvd_collectives::CommConfig) + Sync) -> Vec<bool> {
+    world_on(ips, tweak, |comm| {
+        check_all(comm);
+        comm.is_hierarchical()
+    })
+}
+
+/// Ranks on 127.0.0.2 and 127.0.0.3 form two hosts: allreduce runs on each host, then across.
+#[test]
+fn two_hosts_of_two_run_hierarchically() {
+    let ips = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
+    assert_eq!(check_on(&ips, |_| {}), vec![true; 4]);
+}
+
+/// Hosts interleaved by rank (as a round-robin placement gives), three of them.
+#[test]
+fn three_interleaved_hosts_run_hierarchically() {
+    let ips = [
+        "127.0.0.2",
+        "127.0.0.3",
+        "127.0.0.4",
+        "127.0.0.2",
+        "127.0.0.3",
+        "127.0.0.4",
+    ];
+    assert_eq!(check_on(&ips, |_| {}), vec![true; 6]);
+}
+
+/// Uneven hosts, one rank per host, or a rank that says no: the flat ring, still correct.
+#[test]
+fn hierarchy_only_where_it_applies() {
+    let cases: [(&[&str], Option<usize>); 3] = [
+        (&["127.0.0.2", "127.0.0.2", "127.0.0.3"], None),
+        (&["127.0.0.2", "127.0.0.3", "127.0.0.4"], None),
+        (
+            &["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"],
+            Some(3),
+        ),
+    ];
+    for (ips, refuses) in cases {
+        let modes = check_on(ips, |cfg| {
+            cfg.hierarchical = Some(true);
+            if Some(cfg.rank) == refuses {
+                cfg.hierarchical = Some(false);
+            }
+        });
+        assert_eq!(
+            modes,
+            vec![false; ips.len()],
+            "{ips:?}, rank {refuses:?} refusing"
+        );
+    }
+}
+
+#[test]
+fn hierarchical_results_are_bit_identical() {
+    let ips = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
+    for op in [ReduceOp::Sum, ReduceOp::Average] {
+        let results = world_on(
+            &ips,
+            |_| {},
+            |comm| {
+                let r = comm.rank();
+                let mut buf: Vec<f32> = (0..300_001)
+                    .map(|i| 1.0 / ((i * 4 + r) as f32 + 0.1))
+                    .collect();
+                comm.allreduce(&mut buf, op).expect("allreduce");
+                buf.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            },
+        );
+        assert!(
+            results.iter().all(|r| r == &results[0]),
+            "{op:?}: ranks disagree"
         );
     }
 }

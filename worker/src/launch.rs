@@ -54,6 +54,9 @@ pub struct Launch {
     pub worker: u64,
     /// Whether ranks of one host may read each other's buffers (`HVD_SAME_HOST_COPY`, default on).
     pub same_host_copy: bool,
+    /// Hierarchical allreduce across hosts (`HOROVOD_HIERARCHICAL_ALLREDUCE`): `1` asks for
+    /// it, `0` forbids it, unset lets the communicator choose.
+    pub hierarchical: Option<bool>,
     /// Whether the job is elastic (`HOROVOD_ELASTIC=1`).
     pub elastic: bool,
     /// How long a round may wait for enough hosts (`HOROVOD_ELASTIC_TIMEOUT`).
@@ -146,6 +149,21 @@ impl Launch {
             same_host_copy: env
                 .var(rv::ENV_SAME_HOST_COPY)
                 .is_none_or(|v| v.trim() != "0"),
+            hierarchical: match env
+                .var(rv::ENV_HIERARCHICAL_ALLREDUCE)
+                .as_deref()
+                .map(str::trim)
+            {
+                None | Some("") => None,
+                Some("1") => Some(true),
+                Some("0") => Some(false),
+                Some(v) => {
+                    return Err(Error::Env {
+                        var: rv::ENV_HIERARCHICAL_ALLREDUCE,
+                        detail: format!("'{v}' is neither 0 nor 1"),
+                    });
+                }
+            },
             elastic,
             elastic_timeout: seconds(env, rv::ENV_ELASTIC_TIMEOUT, 600.0)?,
         };
@@ -231,6 +249,19 @@ mod tests {
         let l = Launch::from_env(&full()).unwrap().unwrap();
         assert_eq!((l.rank, l.size, l.local_rank, l.cross_size), (1, 4, 1, 2));
         assert_eq!(l.progress_timeout, Duration::from_secs(5));
+        assert_eq!(l.hierarchical, None);
+        for (v, want) in [("1", Some(true)), ("0", Some(false))] {
+            let mut e = full();
+            e.insert(rv::ENV_HIERARCHICAL_ALLREDUCE.into(), v.into());
+            assert_eq!(Launch::from_env(&e).unwrap().unwrap().hierarchical, want);
+        }
+        let mut bad = full();
+        bad.insert(rv::ENV_HIERARCHICAL_ALLREDUCE.into(), "yes".into());
+        let e = Launch::from_env(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("HOROVOD_HIERARCHICAL_ALLREDUCE") && e.contains("'yes'"),
+            "{e}"
+        );
         let mut bad = full();
         bad.insert(rv::ENV_RANK.into(), "4".into());
         let e = Launch::from_env(&bad).unwrap_err().to_string();

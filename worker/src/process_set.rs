@@ -79,6 +79,8 @@ fn connect(c: &mut Context, set: &ProcessSet) -> Result<Option<Communicator>> {
             cfg.arrival_timeout = l.arrival_timeout;
             cfg.connect_timeout = l.start_timeout;
             cfg.same_host_copy = l.same_host_copy;
+            cfg.hierarchical = l.hierarchical;
+            cfg.hierarchical = l.hierarchical;
             let peers: Vec<_> = set.ranks.iter().map(|&r| s.peers[r]).collect();
             Some(Communicator::connect(cfg, &s.listener, &peers)?)
         }

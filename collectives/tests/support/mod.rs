@@ -19,8 +19,20 @@ pub fn world_with<R: Send>(
     tweak: impl Fn(&mut CommConfig) + Sync,
     f: impl Fn(&mut Communicator) -> R + Sync,
 ) -> Vec<R> {
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+    world_on(&vec!["127.0.0.1"; n], tweak, f)
+}
+
+/// A world whose rank `r` listens on `ips[r]`: ranks on one address form one host, so
+/// 127.0.0.x addresses play several hosts.
+pub fn world_on<R: Send>(
+    ips: &[&str],
+    tweak: impl Fn(&mut CommConfig) + Sync,
+    f: impl Fn(&mut Communicator) -> R + Sync,
+) -> Vec<R> {
+    let n = ips.len();
+    let listeners: Vec<TcpListener> = ips
+        .iter()
+        .map(|ip| TcpListener::bind((*ip, 0)).expect("bind"))
         .collect();
     let addrs: Vec<SocketAddr> = listeners
         .iter()
