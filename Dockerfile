@@ -16,14 +16,12 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
        target/release/examples/elastic_counter /out/
 
 FROM debian:bookworm-slim
-# ca-certificates: the operator talks TLS to the API server; tini reaps the training processes
-# that hvd-agent and horovodrun start.
+# ca-certificates: for API servers and registries outside the cluster's own CA.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates tini \
+ && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --gid 10001 hvd \
  && useradd --uid 10001 --gid hvd --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin hvd
 COPY --from=build /out/ /usr/local/bin/
 USER 10001:10001
-ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["hvd-operator"]
