@@ -1,0 +1,127 @@
+//! `hvd-operator`: reconciles `ElasticJob`s into driver and worker pods.
+//!
+//! `hvd-operator [--namespace NS] [--leader-elect --lease-name NAME --lease-namespace NS]`;
+//! `RUST_LOG` sets the log level. SIGTERM or SIGINT stops it gracefully.
+
+use anyhow::Context as _;
+use clap::Parser;
+use hvd_operator::leader::{Leadership, while_leader};
+use hvd_operator::reconcile::{Context, run};
+use kube::Client;
+use kube_lease_manager::LeaseManagerBuilder;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
+
+/// Command line of `hvd-operator`.
+#[derive(Parser, Debug)]
+#[command(
+    name = "hvd-operator",
+    version,
+    about = "Reconciles hvd ElasticJobs into pods"
+)]
+struct Cli {
+    /// Watch only this namespace (default: every namespace).
+    #[arg(long, value_name = "NS")]
+    namespace: Option<String>,
+    /// Reconcile only while holding a coordination.k8s.io Lease, so replicas can stand by.
+    #[arg(long)]
+    leader_elect: bool,
+    /// Name of the Lease.
+    #[arg(long, value_name = "NAME", default_value = "hvd-operator")]
+    lease_name: String,
+    /// Namespace of the Lease (default: the pod's namespace from POD_NAMESPACE, else `default`).
+    #[arg(
+        long,
+        value_name = "NS",
+        env = "POD_NAMESPACE",
+        default_value = "default"
+    )]
+    lease_namespace: String,
+    /// This instance's identity as a Lease holder and Event reporter (default: POD_NAME).
+    #[arg(long, value_name = "ID", env = "POD_NAME")]
+    identity: Option<String>,
+}
+
+/// Resolves when SIGTERM or SIGINT arrives (or the handlers cannot be installed).
+async fn terminated() {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = int.recv() => tracing::info!("SIGINT"),
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let client = Client::try_default()
+        .await
+        .context("cannot reach the Kubernetes API (no in-cluster config or kubeconfig)")?;
+    let ctx = Context::new(client.clone(), cli.identity.clone());
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        terminated().await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let controller = run(ctx, cli.namespace.clone(), stopped(stop_rx.clone()));
+
+    if !cli.leader_elect {
+        tracing::info!(namespace = ?cli.namespace, "hvd-operator running");
+        controller.await;
+        return Ok(());
+    }
+    let mut lease =
+        LeaseManagerBuilder::new(client, &cli.lease_name).with_namespace(&cli.lease_namespace);
+    if let Some(id) = &cli.identity {
+        lease = lease.with_identity(id);
+    }
+    let manager = lease.build().await.with_context(|| {
+        format!(
+            "cannot use Lease {}/{}",
+            cli.lease_namespace, cli.lease_name
+        )
+    })?;
+    let (leading, task) = manager.watch().await;
+    tracing::info!(lease = %cli.lease_name, namespace = ?cli.namespace, "hvd-operator waiting for the lease");
+    let outcome = tokio::select! {
+        o = while_leader(leading.clone(), controller) => o,
+        () = stopped(stop_rx) => Leadership::WorkEnded,
+    };
+    drop(leading);
+    // Dropping the receivers ends the manager's task; give the lease back for a fast handover.
+    match task.await {
+        Ok(Ok(manager)) => {
+            if let Err(e) = manager.release().await {
+                tracing::warn!(error = %e, "cannot release the lease");
+            }
+        }
+        Ok(Err(e)) => tracing::warn!(error = %e, "the lease manager failed"),
+        Err(e) => tracing::warn!(error = %e, "the lease manager task failed"),
+    }
+    match outcome {
+        Leadership::WorkEnded => Ok(()),
+        Leadership::Lost => anyhow::bail!(
+            "lost the lease {}; exiting so a restart can campaign again",
+            cli.lease_name
+        ),
+        Leadership::ElectionEnded => {
+            anyhow::bail!("the lease manager for {} stopped", cli.lease_name)
+        }
+    }
+}

@@ -1,0 +1,626 @@
+//! The reconciler's decisions as pure functions of what it observed: [`plan`] says which pods to
+//! create and delete, [`status`] what to report. No I/O here, so every rule has a unit test.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+use crate::crd::{ElasticJob, ElasticJobStatus, Phase};
+use crate::driver_status::DriverStatus;
+use crate::resources::{LABEL_ROLE, Names, ROLE_DRIVER, ROLE_WORKER};
+
+/// One change the reconciler makes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Create the driver pod and what it needs (Secret, Service, ServiceAccount, Role, binding).
+    CreateDriver,
+    /// Create worker pod number `index`.
+    CreateWorker {
+        /// Its index (`<job>-worker-<index>`).
+        index: usize,
+    },
+    /// Delete a worker pod.
+    DeleteWorker {
+        /// The pod.
+        name: String,
+        /// Why.
+        why: DeleteReason,
+    },
+}
+
+/// Why a worker pod is deleted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeleteReason {
+    /// It failed or was evicted (its phase is Failed or Succeeded); a new pod replaces it.
+    Failed {
+        /// The pod's phase, with its status reason (e.g. `Failed (Evicted)`).
+        state: String,
+    },
+    /// The driver blacklisted its host; a new pod (a new host) replaces it.
+    Blacklisted {
+        /// The host as the driver named it.
+        host: String,
+    },
+    /// More workers than `spec.replicas`.
+    ScaleDown,
+    /// The job is over.
+    JobFinished,
+}
+
+impl DeleteReason {
+    /// The Event reason for this deletion.
+    pub fn event_reason(&self) -> &'static str {
+        match self {
+            DeleteReason::Failed { .. } => "ReplacingFailedWorker",
+            DeleteReason::Blacklisted { .. } => "RemovingBlacklistedWorker",
+            DeleteReason::ScaleDown => "ScaledDown",
+            DeleteReason::JobFinished => "JobFinished",
+        }
+    }
+}
+
+/// A worker pod of the job, classified.
+struct Worker<'a> {
+    index: usize,
+    name: &'a str,
+    pod: &'a Pod,
+}
+
+fn phase_of(pod: &Pod) -> &str {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("Pending")
+}
+
+fn is_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn is_deleting(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_some()
+}
+
+fn role(pod: &Pod) -> Option<&str> {
+    pod.metadata
+        .labels
+        .as_ref()?
+        .get(LABEL_ROLE)
+        .map(String::as_str)
+}
+
+fn workers<'a>(names: &Names, pods: &'a [Pod]) -> Vec<Worker<'a>> {
+    pods.iter()
+        .filter(|p| role(p) == Some(ROLE_WORKER))
+        .filter_map(|pod| {
+            let name = pod.metadata.name.as_deref()?;
+            Some(Worker {
+                index: names.worker_index(name)?,
+                name,
+                pod,
+            })
+        })
+        .collect()
+}
+
+fn driver_pod<'a>(names: &Names, pods: &'a [Pod]) -> Option<&'a Pod> {
+    let want = names.driver();
+    pods.iter()
+        .find(|p| role(p) == Some(ROLE_DRIVER) && p.metadata.name.as_deref() == Some(&want))
+}
+
+/// The host names a worker pod may have in the driver's reports: its IP, DNS name and pod name.
+fn addresses(names: &Names, w: &Worker<'_>) -> Vec<String> {
+    let mut a = vec![names.worker_dns(w.name), w.name.to_string()];
+    if let Some(ip) = w.pod.status.as_ref().and_then(|s| s.pod_ip.clone()) {
+        a.push(ip);
+    }
+    a
+}
+
+/// The phase the driver pod's own phase forces, when it has finished.
+fn finished_phase(job: &ElasticJob, driver: Option<&Pod>) -> Option<Phase> {
+    match driver.map(phase_of) {
+        Some("Succeeded") => Some(Phase::Succeeded),
+        Some("Failed") => Some(Phase::Failed),
+        _ => job
+            .status
+            .as_ref()
+            .map(|s| s.phase)
+            .filter(|p| p.is_terminal()),
+    }
+}
+
+/// What to change so that the job's pods match its spec, given its pods (all pods labelled with
+/// the job) and the driver's last status report, if it could be read.
+///
+/// - The driver (and its Secret, Service and RBAC) is created when its pod is missing and the job
+///   has not finished.
+/// - Worker pods that failed or were evicted, and those whose host the driver blacklisted, are
+///   deleted; pods being deleted (a spot preemption) are not counted.
+/// - Live workers are kept at `spec.replicas` clamped to [min, max]: the surplus is deleted
+///   (not-Ready first, then the highest index) and the shortfall created with the lowest indices
+///   no pod holds and the driver has not blacklisted.
+/// - Once the driver pod has finished, every worker pod is deleted and nothing is created.
+///
+/// Order: create the driver, then deletions, then creations.
+pub fn plan(job: &ElasticJob, pods: &[Pod], driver: Option<&DriverStatus>) -> Vec<Action> {
+    let Ok(names) = Names::of(job) else {
+        return Vec::new();
+    };
+    let workers = workers(&names, pods);
+    let driver_pod = driver_pod(&names, pods);
+    let mut actions = Vec::new();
+
+    if finished_phase(job, driver_pod).is_some() {
+        for w in workers.iter().filter(|w| !is_deleting(w.pod)) {
+            actions.push(Action::DeleteWorker {
+                name: w.name.to_string(),
+                why: DeleteReason::JobFinished,
+            });
+        }
+        return actions;
+    }
+    if driver_pod.is_none() {
+        actions.push(Action::CreateDriver);
+    }
+
+    let blacklisted: BTreeSet<&str> = driver
+        .map(|d| d.blacklisted.iter().map(|b| b.host.as_str()).collect())
+        .unwrap_or_default();
+    let mut live: Vec<&Worker<'_>> = Vec::new();
+    for w in workers.iter().filter(|w| !is_deleting(w.pod)) {
+        let phase = phase_of(w.pod);
+        if phase == "Failed" || phase == "Succeeded" {
+            let reason = w.pod.status.as_ref().and_then(|s| s.reason.as_deref());
+            let state = match reason {
+                Some(r) => format!("{phase} ({r})"),
+                None => phase.to_string(),
+            };
+            actions.push(Action::DeleteWorker {
+                name: w.name.to_string(),
+                why: DeleteReason::Failed { state },
+            });
+        } else if let Some(host) = addresses(&names, w)
+            .into_iter()
+            .find(|a| blacklisted.contains(a.as_str()))
+        {
+            actions.push(Action::DeleteWorker {
+                name: w.name.to_string(),
+                why: DeleteReason::Blacklisted { host },
+            });
+        } else {
+            live.push(w);
+        }
+    }
+
+    let desired = job.spec.desired_workers();
+    if live.len() > desired {
+        // Not-Ready pods first (they do no work yet), then the newest (highest index).
+        live.sort_by_key(|w| (is_ready(w.pod), std::cmp::Reverse(w.index)));
+        for w in &live[..live.len() - desired] {
+            actions.push(Action::DeleteWorker {
+                name: w.name.to_string(),
+                why: DeleteReason::ScaleDown,
+            });
+        }
+    } else {
+        let taken: BTreeSet<usize> = workers.iter().map(|w| w.index).collect();
+        let free = (0..)
+            .filter(|i| !taken.contains(i))
+            .filter(|i| {
+                let name = names.worker(*i);
+                !blacklisted.contains(names.worker_dns(&name).as_str())
+                    && !blacklisted.contains(name.as_str())
+            })
+            .take(desired - live.len());
+        actions.extend(free.map(|index| Action::CreateWorker { index }));
+    }
+    actions
+}
+
+fn driver_phase(s: &DriverStatus) -> Phase {
+    match s.phase.to_ascii_lowercase().as_str() {
+        "rescaling" | "resetting" | "recovering" => Phase::Rescaling,
+        "pending" | "waiting" | "starting" => Phase::Pending,
+        _ => Phase::Running,
+    }
+}
+
+fn condition(
+    prev: &[Condition],
+    type_: &str,
+    ok: bool,
+    reason: &str,
+    message: String,
+    generation: Option<i64>,
+    now: &Time,
+) -> Condition {
+    let status = if ok { "True" } else { "False" };
+    let since = prev
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map_or_else(|| now.clone(), |c| c.last_transition_time.clone());
+    Condition {
+        type_: type_.into(),
+        status: status.into(),
+        reason: reason.into(),
+        message,
+        last_transition_time: since,
+        observed_generation: generation,
+    }
+}
+
+/// The status to report after `actions`, at time `now`.
+///
+/// - `phase`: Succeeded or Failed once the driver pod finished; Pending until the driver has
+///   reported; Rescaling while pods are created or deleted or Ready workers differ from the wanted
+///   count, or the driver says so; else Running.
+/// - `workers`: Ready, live worker pods. `round`, `resets`, `blacklisted`: from the driver, else
+///   kept from the last status.
+/// - Conditions `Ready` (phase is Running) and `DriverReachable`; a condition keeps its
+///   transition time while its status holds.
+pub fn status(
+    job: &ElasticJob,
+    pods: &[Pod],
+    driver: Option<&DriverStatus>,
+    actions: &[Action],
+    now: &Time,
+) -> ElasticJobStatus {
+    let prev = job.status.clone().unwrap_or_default();
+    let Ok(names) = Names::of(job) else {
+        return prev;
+    };
+    let workers = workers(&names, pods);
+    let ready = workers
+        .iter()
+        .filter(|w| !is_deleting(w.pod) && is_ready(w.pod))
+        .filter(|w| {
+            !actions
+                .iter()
+                .any(|a| matches!(a, Action::DeleteWorker { name, .. } if name == w.name))
+        })
+        .count();
+    let desired = job.spec.desired_workers();
+    let phase = match (finished_phase(job, driver_pod(&names, pods)), driver) {
+        (Some(done), _) => done,
+        (None, None) => Phase::Pending,
+        (None, Some(d)) => {
+            let changing = actions.iter().any(|a| !matches!(a, Action::CreateDriver));
+            if changing || ready != desired {
+                Phase::Rescaling
+            } else {
+                driver_phase(d)
+            }
+        }
+    };
+    let generation = job.metadata.generation;
+    let (reachable_reason, reachable_msg) = match driver {
+        Some(d) => (
+            "StatusRead",
+            format!("round {}, {} worker processes", d.generation, d.workers),
+        ),
+        None => (
+            "NoStatus",
+            "the driver's status endpoint did not answer".to_string(),
+        ),
+    };
+    let conditions = vec![
+        condition(
+            &prev.conditions,
+            "Ready",
+            phase == Phase::Running,
+            &format!("{phase:?}"),
+            format!("{ready} of {desired} workers ready"),
+            generation,
+            now,
+        ),
+        condition(
+            &prev.conditions,
+            "DriverReachable",
+            driver.is_some(),
+            reachable_reason,
+            reachable_msg,
+            generation,
+            now,
+        ),
+    ];
+    ElasticJobStatus {
+        phase,
+        workers: i32::try_from(ready).unwrap_or(i32::MAX),
+        round: driver.map_or(prev.round, |d| d.generation),
+        resets: driver.map_or(prev.resets, |d| d.resets),
+        blacklisted: driver.map_or(prev.blacklisted, |d| {
+            d.blacklisted.iter().map(|b| b.host.clone()).collect()
+        }),
+        conditions,
+        selector: Some(names.worker_selector()),
+        observed_generation: generation,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use crate::driver_status::BlacklistedHost;
+    use crate::fixtures::{deleting, driver, in_phase, job, worker};
+
+    fn now() -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(1_000).unwrap())
+    }
+
+    fn st(blacklisted: &[&str]) -> DriverStatus {
+        DriverStatus {
+            phase: "running".into(),
+            generation: 7,
+            workers: 4,
+            blacklisted: blacklisted
+                .iter()
+                .map(|h| BlacklistedHost {
+                    host: h.to_string(),
+                    until_ms: Some(5),
+                })
+                .collect(),
+            resets: 2,
+            ..Default::default()
+        }
+    }
+
+    fn creates(actions: &[Action]) -> Vec<usize> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::CreateWorker { index } => Some(*index),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn deletes(actions: &[Action]) -> Vec<(&str, &DeleteReason)> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::DeleteWorker { name, why } => Some((name.as_str(), why)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn new_job_gets_a_driver_and_max_workers() {
+        let j = job("t", 2, 3);
+        let a = plan(&j, &[], None);
+        assert_eq!(a[0], Action::CreateDriver);
+        assert_eq!(creates(&a), [0, 1, 2]);
+    }
+
+    #[test]
+    fn steady_job_needs_nothing() {
+        let j = job("t", 1, 2);
+        let pods = [
+            driver(&j, "10.0.0.100"),
+            worker(&j, 0, "10.0.0.1"),
+            worker(&j, 1, "10.0.0.2"),
+        ];
+        assert!(plan(&j, &pods, Some(&st(&[]))).is_empty());
+        let s = status(&j, &pods, Some(&st(&[])), &[], &now());
+        assert_eq!(s.phase, Phase::Running);
+        assert_eq!(s.workers, 2);
+        assert_eq!((s.round, s.resets), (7, 2));
+        assert_eq!(
+            s.selector.as_deref(),
+            Some("hvd.dev/job=t,hvd.dev/role=worker")
+        );
+        assert_eq!(s.conditions[0].status, "True");
+    }
+
+    #[test]
+    fn scale_down_removes_not_ready_then_highest_index() {
+        let mut j = job("t", 1, 4);
+        j.spec.replicas = Some(2);
+        let pods = [
+            driver(&j, "10.0.0.100"),
+            worker(&j, 0, "10.0.0.1"),
+            in_phase(worker(&j, 1, "10.0.0.2"), "Pending", None),
+            worker(&j, 2, "10.0.0.3"),
+            worker(&j, 3, "10.0.0.4"),
+        ];
+        let a = plan(&j, &pods, Some(&st(&[])));
+        let d = deletes(&a);
+        assert_eq!(
+            d.iter().map(|x| x.0).collect::<Vec<_>>(),
+            ["t-worker-1", "t-worker-3"]
+        );
+        assert!(d.iter().all(|x| *x.1 == DeleteReason::ScaleDown));
+        assert!(creates(&a).is_empty());
+        let s = status(&j, &pods, Some(&st(&[])), &a, &now());
+        assert_eq!(s.phase, Phase::Rescaling);
+        assert_eq!(s.workers, 2, "pods being removed are not counted");
+    }
+
+    #[test]
+    fn scale_up_fills_the_lowest_free_indices() {
+        let mut j = job("t", 1, 4);
+        j.spec.replicas = Some(4);
+        let pods = [driver(&j, "10.0.0.100"), worker(&j, 1, "10.0.0.2")];
+        assert_eq!(creates(&plan(&j, &pods, None)), [0, 2, 3]);
+    }
+
+    #[test]
+    fn failed_and_evicted_pods_are_replaced_under_new_names() {
+        let j = job("t", 1, 2);
+        let pods = [
+            driver(&j, "10.0.0.100"),
+            in_phase(worker(&j, 0, "10.0.0.1"), "Failed", Some("Evicted")),
+            worker(&j, 1, "10.0.0.2"),
+        ];
+        let a = plan(&j, &pods, None);
+        let d = deletes(&a);
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].0, "t-worker-0");
+        assert_eq!(
+            *d[0].1,
+            DeleteReason::Failed {
+                state: "Failed (Evicted)".into()
+            }
+        );
+        assert_eq!(creates(&a), [2], "index 0 is still held by the failed pod");
+    }
+
+    #[test]
+    fn replacements_never_exceed_max() {
+        let mut j = job("t", 1, 2);
+        j.spec.replicas = Some(9);
+        let pods = [
+            driver(&j, "10.0.0.100"),
+            in_phase(worker(&j, 0, "10.0.0.1"), "Failed", None),
+            in_phase(worker(&j, 1, "10.0.0.2"), "Failed", None),
+            in_phase(worker(&j, 2, "10.0.0.3"), "Failed", None),
+        ];
+        let a = plan(&j, &pods, None);
+        assert_eq!(deletes(&a).len(), 3);
+        assert_eq!(creates(&a), [3, 4]);
+    }
+
+    #[test]
+    fn blacklisted_hosts_lose_their_pods_by_dns_name_or_ip() {
+        let j = job("t", 1, 3);
+        let pods = [
+            driver(&j, "10.0.0.100"),
+            worker(&j, 0, "10.0.0.1"),
+            worker(&j, 1, "10.0.0.2"),
+            worker(&j, 2, "10.0.0.3"),
+        ];
+        let a = plan(
+            &j,
+            &pods,
+            Some(&st(&["t-worker-1.t-workers.ml.svc", "10.0.0.3"])),
+        );
+        let d = deletes(&a);
+        assert_eq!(d.len(), 2);
+        assert_eq!(d[0].0, "t-worker-1");
+        assert_eq!(
+            *d[0].1,
+            DeleteReason::Blacklisted {
+                host: "t-worker-1.t-workers.ml.svc".into()
+            }
+        );
+        assert_eq!(d[1].0, "t-worker-2");
+        assert_eq!(creates(&a), [3, 4]);
+    }
+
+    #[test]
+    fn a_blacklisted_name_is_not_reused_for_a_new_pod() {
+        let j = job("t", 1, 2);
+        // worker-0 is gone already; its DNS name is still blacklisted.
+        let pods = [driver(&j, "10.0.0.100"), worker(&j, 1, "10.0.0.2")];
+        let a = plan(&j, &pods, Some(&st(&["t-worker-0.t-workers.ml.svc"])));
+        assert_eq!(creates(&a), [2]);
+    }
+
+    #[test]
+    fn spot_pod_being_deleted_is_replaced_at_once() {
+        let j = job("t", 1, 2);
+        let pods = [
+            driver(&j, "10.0.0.100"),
+            deleting(worker(&j, 0, "10.0.0.1")),
+            worker(&j, 1, "10.0.0.2"),
+        ];
+        let a = plan(&j, &pods, Some(&st(&[])));
+        assert!(
+            deletes(&a).is_empty(),
+            "no second delete for a pod already going"
+        );
+        assert_eq!(creates(&a), [2]);
+        let s = status(&j, &pods, Some(&st(&[])), &a, &now());
+        assert_eq!(s.workers, 1);
+        assert_eq!(s.phase, Phase::Rescaling);
+    }
+
+    #[test]
+    fn finished_driver_ends_the_job_and_removes_workers() {
+        let j = job("t", 1, 2);
+        for (pod_phase, job_phase) in [("Succeeded", Phase::Succeeded), ("Failed", Phase::Failed)] {
+            let pods = [
+                in_phase(driver(&j, "10.0.0.100"), pod_phase, None),
+                worker(&j, 0, "10.0.0.1"),
+                deleting(worker(&j, 1, "10.0.0.2")),
+            ];
+            let a = plan(&j, &pods, None);
+            assert_eq!(
+                a,
+                [Action::DeleteWorker {
+                    name: "t-worker-0".into(),
+                    why: DeleteReason::JobFinished
+                }]
+            );
+            assert_eq!(status(&j, &pods, None, &a, &now()).phase, job_phase);
+        }
+    }
+
+    #[test]
+    fn finished_job_is_not_restarted_when_its_driver_pod_is_gone() {
+        let mut j = job("t", 1, 2);
+        j.status = Some(ElasticJobStatus {
+            phase: Phase::Succeeded,
+            ..Default::default()
+        });
+        assert!(plan(&j, &[], None).is_empty());
+        assert_eq!(status(&j, &[], None, &[], &now()).phase, Phase::Succeeded);
+    }
+
+    #[test]
+    fn lost_driver_pod_is_recreated_while_the_job_runs() {
+        let j = job("t", 1, 1);
+        let pods = [worker(&j, 0, "10.0.0.1")];
+        assert_eq!(plan(&j, &pods, None), [Action::CreateDriver]);
+    }
+
+    #[test]
+    fn pending_until_the_driver_reports_and_transition_time_is_kept() {
+        let j = job("t", 1, 1);
+        let pods = [driver(&j, "10.0.0.100"), worker(&j, 0, "10.0.0.1")];
+        let s = status(&j, &pods, None, &[], &now());
+        assert_eq!(s.phase, Phase::Pending);
+        assert_eq!(s.conditions[1].type_, "DriverReachable");
+        assert_eq!(s.conditions[1].status, "False");
+
+        let mut j2 = j.clone();
+        j2.status = Some(status(&j, &pods, Some(&st(&[])), &[], &now()));
+        let later = Time(k8s_openapi::jiff::Timestamp::from_second(2_000).unwrap());
+        let s2 = status(&j2, &pods, Some(&st(&[])), &[], &later);
+        assert_eq!(
+            s2.conditions[0].last_transition_time,
+            now(),
+            "Ready stayed True"
+        );
+        let s3 = status(&j2, &pods, None, &[], &later);
+        assert_eq!(
+            s3.conditions[1].last_transition_time, later,
+            "DriverReachable changed"
+        );
+        assert_eq!(s3.round, 7, "the last known round is kept");
+    }
+
+    #[test]
+    fn driver_phase_names_map_to_job_phases() {
+        let j = job("t", 1, 1);
+        let pods = [driver(&j, "10.0.0.100"), worker(&j, 0, "10.0.0.1")];
+        let mut d = st(&[]);
+        d.phase = "Rescaling".into();
+        assert_eq!(
+            status(&j, &pods, Some(&d), &[], &now()).phase,
+            Phase::Rescaling
+        );
+        d.phase = "waiting".into();
+        assert_eq!(
+            status(&j, &pods, Some(&d), &[], &now()).phase,
+            Phase::Pending
+        );
+    }
+}

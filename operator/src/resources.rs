@@ -1,0 +1,556 @@
+//! The Kubernetes objects an `ElasticJob` owns, built as pure values: the job Secret, the
+//! workers' headless Service, the driver's ServiceAccount, Role and RoleBinding, the driver Pod
+//! and the worker Pods. The reconciler applies them with server-side apply.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{
+    Container, ContainerPort, EnvVar, EnvVarSource, Pod, PodSpec, Probe, Secret, SecretKeySelector,
+    Service, ServiceAccount, ServicePort, ServiceSpec, TCPSocketAction,
+};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::{Resource, ResourceExt};
+
+use crate::crd::ElasticJob;
+use crate::error::Error;
+
+/// Label naming the job a pod belongs to.
+pub const LABEL_JOB: &str = "hvd.dev/job";
+/// Label naming a pod's role: [`ROLE_WORKER`] or [`ROLE_DRIVER`].
+pub const LABEL_ROLE: &str = "hvd.dev/role";
+/// Role label value of worker pods.
+pub const ROLE_WORKER: &str = "worker";
+/// Role label value of the driver pod.
+pub const ROLE_DRIVER: &str = "driver";
+/// Port of the `hvd-agent` in every worker pod.
+pub const AGENT_PORT: u16 = 7077;
+/// Port of the driver's status API (`GET /status`).
+pub const STATUS_PORT: u16 = 8080;
+/// Environment variable holding the secret shared by the driver and the agents.
+pub const ENV_AGENT_SECRET: &str = "HVD_AGENT_SECRET";
+/// Key of the shared secret in the job's Secret.
+pub const SECRET_KEY: &str = "secret";
+/// Field manager of every server-side apply the operator makes.
+pub const FIELD_MANAGER: &str = "hvd-operator";
+
+const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "hvd-operator");
+
+/// Names of the objects of one job, derived from the job's name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    /// The job.
+    pub job: String,
+    /// Namespace of the job and everything it owns.
+    pub namespace: String,
+}
+
+impl Names {
+    /// Names for `job`.
+    ///
+    /// # Errors
+    /// [`Error::MissingField`] when the job has no name or namespace (not from the API server).
+    pub fn of(job: &ElasticJob) -> Result<Self, Error> {
+        let name = job
+            .metadata
+            .name
+            .clone()
+            .ok_or(Error::MissingField("metadata.name"))?;
+        let namespace = job
+            .namespace()
+            .ok_or(Error::MissingField("metadata.namespace"))?;
+        Ok(Names {
+            job: name,
+            namespace,
+        })
+    }
+    /// The Secret holding [`SECRET_KEY`].
+    pub fn secret(&self) -> String {
+        format!("{}-secret", self.job)
+    }
+    /// The workers' headless Service.
+    pub fn service(&self) -> String {
+        format!("{}-workers", self.job)
+    }
+    /// The driver pod, and its ServiceAccount, Role and RoleBinding.
+    pub fn driver(&self) -> String {
+        format!("{}-driver", self.job)
+    }
+    /// Worker pod number `index`.
+    pub fn worker(&self, index: usize) -> String {
+        format!("{}-worker-{index}", self.job)
+    }
+    /// The index of a worker pod name of this job, if it is one.
+    pub fn worker_index(&self, pod_name: &str) -> Option<usize> {
+        pod_name
+            .strip_prefix(&self.job)?
+            .strip_prefix("-worker-")?
+            .parse()
+            .ok()
+    }
+    /// Label selector of all the job's pods.
+    pub fn job_selector(&self) -> String {
+        format!("{LABEL_JOB}={}", self.job)
+    }
+    /// Label selector of the job's worker pods (the driver's `--selector`, the scale selector).
+    pub fn worker_selector(&self) -> String {
+        format!("{LABEL_JOB}={},{LABEL_ROLE}={ROLE_WORKER}", self.job)
+    }
+    /// The DNS name a worker pod has through the headless Service.
+    pub fn worker_dns(&self, pod_name: &str) -> String {
+        format!("{pod_name}.{}.{}.svc", self.service(), self.namespace)
+    }
+}
+
+fn labels(names: &Names, role: Option<&str>) -> BTreeMap<String, String> {
+    let mut l = BTreeMap::from([
+        (LABEL_JOB.to_string(), names.job.clone()),
+        (MANAGED_BY.0.to_string(), MANAGED_BY.1.to_string()),
+    ]);
+    if let Some(role) = role {
+        l.insert(LABEL_ROLE.to_string(), role.to_string());
+    }
+    l
+}
+
+fn owner(job: &ElasticJob) -> Result<OwnerReference, Error> {
+    job.controller_owner_ref(&())
+        .ok_or(Error::MissingField("metadata.uid"))
+}
+
+fn meta(
+    job: &ElasticJob,
+    names: &Names,
+    name: String,
+    role: Option<&str>,
+) -> Result<ObjectMeta, Error> {
+    Ok(ObjectMeta {
+        name: Some(name),
+        namespace: Some(names.namespace.clone()),
+        labels: Some(labels(names, role)),
+        owner_references: Some(vec![owner(job)?]),
+        ..Default::default()
+    })
+}
+
+/// The job's Secret with `secret` (hex) under [`SECRET_KEY`].
+///
+/// # Errors
+/// [`Error::MissingField`] when the job lacks a name, namespace or uid.
+pub fn secret(job: &ElasticJob, secret: &str) -> Result<Secret, Error> {
+    let names = Names::of(job)?;
+    Ok(Secret {
+        metadata: meta(job, &names, names.secret(), None)?,
+        data: Some(BTreeMap::from([(
+            SECRET_KEY.to_string(),
+            ByteString(secret.as_bytes().to_vec()),
+        )])),
+        type_: Some("Opaque".into()),
+        ..Default::default()
+    })
+}
+
+/// A fresh random secret: 32 bytes as 64 hex digits.
+///
+/// # Errors
+/// [`Error::Random`] when the OS has no randomness to give.
+pub fn new_secret() -> Result<String, Error> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| Error::Random(e.to_string()))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The headless Service that gives every worker pod the DNS name `<pod>.<service>.<ns>.svc`.
+///
+/// # Errors
+/// [`Error::MissingField`] when the job lacks a name, namespace or uid.
+pub fn worker_service(job: &ElasticJob) -> Result<Service, Error> {
+    let names = Names::of(job)?;
+    let mut selector = labels(&names, Some(ROLE_WORKER));
+    selector.remove(MANAGED_BY.0);
+    Ok(Service {
+        metadata: meta(job, &names, names.service(), None)?,
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".into()),
+            selector: Some(selector),
+            // Names resolve as soon as a pod exists, so the driver can probe agents that are
+            // starting; readiness still gates discovery.
+            publish_not_ready_addresses: Some(true),
+            ports: Some(vec![ServicePort {
+                name: Some("agent".into()),
+                port: i32::from(AGENT_PORT),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+}
+
+/// The driver's ServiceAccount.
+///
+/// # Errors
+/// [`Error::MissingField`] when the job lacks a name, namespace or uid.
+pub fn driver_service_account(job: &ElasticJob) -> Result<ServiceAccount, Error> {
+    let names = Names::of(job)?;
+    Ok(ServiceAccount {
+        metadata: meta(job, &names, names.driver(), None)?,
+        ..Default::default()
+    })
+}
+
+/// The driver's Role: read pods (get, list, watch) in the job's namespace, nothing else.
+///
+/// # Errors
+/// [`Error::MissingField`] when the job lacks a name, namespace or uid.
+pub fn driver_role(job: &ElasticJob) -> Result<Role, Error> {
+    let names = Names::of(job)?;
+    Ok(Role {
+        metadata: meta(job, &names, names.driver(), None)?,
+        rules: Some(vec![PolicyRule {
+            api_groups: Some(vec![String::new()]),
+            resources: Some(vec!["pods".into()]),
+            verbs: vec!["get".into(), "list".into(), "watch".into()],
+            ..Default::default()
+        }]),
+    })
+}
+
+/// Binds [`driver_role`] to [`driver_service_account`].
+///
+/// # Errors
+/// [`Error::MissingField`] when the job lacks a name, namespace or uid.
+pub fn driver_role_binding(job: &ElasticJob) -> Result<RoleBinding, Error> {
+    let names = Names::of(job)?;
+    Ok(RoleBinding {
+        metadata: meta(job, &names, names.driver(), None)?,
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "Role".into(),
+            name: names.driver(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: names.driver(),
+            namespace: Some(names.namespace.clone()),
+            ..Default::default()
+        }]),
+    })
+}
+
+fn env(job: &ElasticJob, names: &Names) -> Vec<EnvVar> {
+    let mut env = job.spec.env.clone();
+    env.retain(|e| e.name != ENV_AGENT_SECRET);
+    env.push(EnvVar {
+        name: ENV_AGENT_SECRET.into(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: names.secret(),
+                key: SECRET_KEY.into(),
+                optional: Some(false),
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    env
+}
+
+fn tcp_probe(port: u16) -> Probe {
+    Probe {
+        tcp_socket: Some(TCPSocketAction {
+            port: IntOrString::Int(i32::from(port)),
+            ..Default::default()
+        }),
+        period_seconds: Some(2),
+        ..Default::default()
+    }
+}
+
+fn port(name: &str, port: u16) -> ContainerPort {
+    ContainerPort {
+        name: Some(name.into()),
+        container_port: i32::from(port),
+        ..Default::default()
+    }
+}
+
+/// Worker pod number `index`: `hvd-agent --listen 0.0.0.0:7077`, Ready once the agent listens,
+/// annotated with its slot count, reachable by DNS through the headless Service.
+///
+/// # Errors
+/// [`Error::MissingField`] when the job lacks a name, namespace or uid.
+pub fn worker_pod(job: &ElasticJob, index: usize) -> Result<Pod, Error> {
+    let names = Names::of(job)?;
+    let name = names.worker(index);
+    let mut metadata = meta(job, &names, name.clone(), Some(ROLE_WORKER))?;
+    metadata.annotations = Some(BTreeMap::from([(
+        job.spec.discovery.slots_annotation.clone(),
+        job.spec.slots_per_worker.to_string(),
+    )]));
+    let dns = job.spec.discovery.dns;
+    Ok(Pod {
+        metadata,
+        spec: Some(PodSpec {
+            hostname: dns.then(|| name.clone()),
+            subdomain: dns.then(|| names.service()),
+            restart_policy: Some("Never".into()),
+            automount_service_account_token: Some(false),
+            containers: vec![Container {
+                name: "worker".into(),
+                image: Some(job.spec.image.clone()),
+                command: Some(vec![
+                    "hvd-agent".into(),
+                    "--listen".into(),
+                    format!("0.0.0.0:{AGENT_PORT}"),
+                ]),
+                ports: Some(vec![port("agent", AGENT_PORT)]),
+                env: Some(env(job, &names)),
+                resources: job.spec.resources.clone(),
+                readiness_probe: Some(tcp_probe(AGENT_PORT)),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+/// The `horovodrun` command line of the driver pod.
+///
+/// # Errors
+/// [`Error::MissingField`] when the job lacks a name or namespace.
+pub fn driver_command(job: &ElasticJob) -> Result<Vec<String>, Error> {
+    let names = Names::of(job)?;
+    let spec = &job.spec;
+    let slots = spec.slots_per_worker.max(1);
+    let mut cmd: Vec<String> = [
+        "horovodrun",
+        "--launcher",
+        "agent",
+        "--agent-port",
+        &AGENT_PORT.to_string(),
+        "--discovery",
+        "kubernetes",
+        "--selector",
+        &names.worker_selector(),
+        "--namespace",
+        &names.namespace,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if spec.discovery.dns {
+        cmd.extend(["--service".to_string(), names.service()]);
+    }
+    let default_annotation = hvd_discovery::kubernetes::DEFAULT_SLOTS_ANNOTATION;
+    if spec.discovery.slots_annotation != default_annotation {
+        cmd.extend([
+            "--slots-annotation".to_string(),
+            spec.discovery.slots_annotation.clone(),
+        ]);
+    }
+    cmd.extend([
+        "--status-port".to_string(),
+        STATUS_PORT.to_string(),
+        "--min-np".to_string(),
+        (spec.min_replicas.max(1) * slots).to_string(),
+        "--max-np".to_string(),
+        (spec.max_replicas.max(1) * slots).to_string(),
+        "--slots".to_string(),
+        slots.to_string(),
+    ]);
+    if let Some([lo, hi]) = spec.blacklist.cooldown_range {
+        cmd.extend([
+            "--blacklist-cooldown-range".to_string(),
+            lo.to_string(),
+            hi.to_string(),
+        ]);
+    }
+    cmd.push("--".into());
+    cmd.extend(spec.command.iter().cloned());
+    Ok(cmd)
+}
+
+/// The driver pod: `horovodrun` with Kubernetes discovery of the job's workers, under the
+/// driver ServiceAccount (which may only read pods). It never restarts: its exit code is the job's.
+///
+/// # Errors
+/// [`Error::MissingField`] when the job lacks a name, namespace or uid.
+pub fn driver_pod(job: &ElasticJob) -> Result<Pod, Error> {
+    let names = Names::of(job)?;
+    Ok(Pod {
+        metadata: meta(job, &names, names.driver(), Some(ROLE_DRIVER))?,
+        spec: Some(PodSpec {
+            service_account_name: Some(names.driver()),
+            restart_policy: Some("Never".into()),
+            containers: vec![Container {
+                name: "driver".into(),
+                image: Some(job.spec.image.clone()),
+                command: Some(driver_command(job)?),
+                ports: Some(vec![port("status", STATUS_PORT)]),
+                env: Some(env(job, &names)),
+                readiness_probe: Some(tcp_probe(STATUS_PORT)),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use crate::fixtures::job;
+
+    #[test]
+    fn names_and_worker_indices() {
+        let n = Names::of(&job("train", 2, 4)).unwrap();
+        assert_eq!(n.worker(3), "train-worker-3");
+        assert_eq!(n.worker_index("train-worker-3"), Some(3));
+        assert_eq!(n.worker_index("train-driver"), None);
+        assert_eq!(n.worker_index("other-worker-3"), None);
+        assert_eq!(n.worker_selector(), "hvd.dev/job=train,hvd.dev/role=worker");
+        assert_eq!(
+            n.worker_dns("train-worker-0"),
+            "train-worker-0.train-workers.ml.svc"
+        );
+    }
+
+    #[test]
+    fn worker_pod_runs_the_agent_with_labels_annotation_and_owner() {
+        let j = job("train", 2, 4);
+        let p = worker_pod(&j, 5).unwrap();
+        assert_eq!(p.metadata.name.as_deref(), Some("train-worker-5"));
+        let labels = p.metadata.labels.as_ref().unwrap();
+        assert_eq!(labels[LABEL_JOB], "train");
+        assert_eq!(labels[LABEL_ROLE], "worker");
+        assert_eq!(
+            p.metadata.annotations.as_ref().unwrap()["hvd.dev/slots"],
+            "2"
+        );
+        let owner = &p.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.controller),
+            ("ElasticJob", Some(true))
+        );
+        let spec = p.spec.as_ref().unwrap();
+        assert_eq!(spec.hostname.as_deref(), Some("train-worker-5"));
+        assert_eq!(spec.subdomain.as_deref(), Some("train-workers"));
+        let c = &spec.containers[0];
+        assert_eq!(
+            c.command.as_ref().unwrap(),
+            &["hvd-agent", "--listen", "0.0.0.0:7077"]
+        );
+        assert_eq!(c.ports.as_ref().unwrap()[0].container_port, 7077);
+        let secret_env = c
+            .env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|e| e.name == ENV_AGENT_SECRET)
+            .unwrap();
+        let key = secret_env
+            .value_from
+            .as_ref()
+            .unwrap()
+            .secret_key_ref
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            (key.name.as_str(), key.key.as_str()),
+            ("train-secret", SECRET_KEY)
+        );
+        assert!(
+            c.env
+                .as_ref()
+                .unwrap()
+                .iter()
+                .any(|e| e.name == "HOROVOD_CYCLE_TIME")
+        );
+    }
+
+    #[test]
+    fn driver_command_carries_discovery_bounds_and_program() {
+        let mut j = job("train", 2, 4);
+        j.spec.blacklist.cooldown_range = Some([10, 300]);
+        assert_eq!(
+            driver_command(&j).unwrap().join(" "),
+            "horovodrun --launcher agent --agent-port 7077 --discovery kubernetes \
+             --selector hvd.dev/job=train,hvd.dev/role=worker --namespace ml \
+             --service train-workers --status-port 8080 --min-np 4 --max-np 8 --slots 2 \
+             --blacklist-cooldown-range 10 300 -- python train.py"
+        );
+        j.spec.discovery.dns = false;
+        j.spec.discovery.slots_annotation = "example.com/gpus".into();
+        j.spec.blacklist.cooldown_range = None;
+        let cmd = driver_command(&j).unwrap().join(" ");
+        assert!(!cmd.contains("--service"), "{cmd}");
+        assert!(!cmd.contains("--blacklist-cooldown-range"), "{cmd}");
+        assert!(cmd.contains("--slots-annotation example.com/gpus"), "{cmd}");
+        let p = worker_pod(&j, 0).unwrap();
+        assert_eq!(p.metadata.annotations.unwrap()["example.com/gpus"], "2");
+        assert_eq!(p.spec.unwrap().hostname, None);
+    }
+
+    #[test]
+    fn driver_pod_uses_its_own_service_account_and_never_restarts() {
+        let p = driver_pod(&job("train", 1, 1)).unwrap();
+        assert_eq!(p.metadata.labels.as_ref().unwrap()[LABEL_ROLE], "driver");
+        let spec = p.spec.unwrap();
+        assert_eq!(spec.service_account_name.as_deref(), Some("train-driver"));
+        assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
+        assert_eq!(
+            spec.containers[0].command.as_ref().unwrap()[0],
+            "horovodrun"
+        );
+    }
+
+    #[test]
+    fn driver_role_reads_pods_only() {
+        let r = driver_role(&job("train", 1, 1)).unwrap();
+        let rules = r.rules.unwrap();
+        assert_eq!(rules.len(), 1);
+        assert_eq!(
+            rules[0].resources.as_deref(),
+            Some(&["pods".to_string()][..])
+        );
+        assert_eq!(rules[0].verbs, ["get", "list", "watch"]);
+        let b = driver_role_binding(&job("train", 1, 1)).unwrap();
+        assert_eq!(b.role_ref.name, "train-driver");
+        assert_eq!(b.subjects.unwrap()[0].name, "train-driver");
+    }
+
+    #[test]
+    fn service_is_headless_over_the_workers() {
+        let s = worker_service(&job("train", 1, 1)).unwrap();
+        let spec = s.spec.unwrap();
+        assert_eq!(spec.cluster_ip.as_deref(), Some("None"));
+        let sel = spec.selector.unwrap();
+        assert_eq!(sel.len(), 2);
+        assert_eq!(sel[LABEL_ROLE], "worker");
+    }
+
+    #[test]
+    fn secrets_are_random_hex_and_stored_under_the_key() {
+        let a = new_secret().unwrap();
+        let b = new_secret().unwrap();
+        assert_eq!(a.len(), 64);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+        let s = secret(&job("train", 1, 1), &a).unwrap();
+        assert_eq!(s.data.unwrap()[SECRET_KEY].0, a.as_bytes());
+    }
+
+    #[test]
+    fn objects_need_a_uid_for_their_owner_reference() {
+        let mut j = job("train", 1, 1);
+        j.metadata.uid = None;
+        let err = worker_pod(&j, 0).unwrap_err();
+        assert!(err.to_string().contains("metadata.uid"), "{err}");
+    }
+}
