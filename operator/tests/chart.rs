@@ -850,6 +850,20 @@ fn leader_election_follows_replicas_and_values() {
         );
     }
     r.objects.get("RoleBinding", "hvd-leader-election");
+    // A drain keeps one replica of several running; a single replica gets no budget that would
+    // block the drain.
+    let pdb = r.objects.get("PodDisruptionBudget", "hvd");
+    pdb.assert_json(".spec", &[(".maxUnavailable", "1")]);
+    pdb.assert_strs(
+        ".spec.selector.matchLabels",
+        &[("[\"app.kubernetes.io/instance\"]", "hvd")],
+    );
+    assert!(
+        render(&[])
+            .objects
+            .find("PodDisruptionBudget", "hvd")
+            .is_none()
+    );
 
     let single = render(&["--set", "leaderElection.enabled=false"]);
     let args = deployment_args(&single);
