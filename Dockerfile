@@ -16,7 +16,9 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
        target/release/examples/elastic_counter /out/
 
 FROM debian:bookworm-slim
-# ca-certificates: for API servers and registries outside the cluster's own CA.
+# ca-certificates: for API servers and registries outside the cluster's own CA. Unpinned: the
+# bookworm security updates of it are wanted.
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
