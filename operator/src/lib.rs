@@ -20,6 +20,9 @@ pub mod resources;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod fixtures;
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod mock_api;
 
 pub use crd::{ElasticJob, ElasticJobSpec, ElasticJobStatus, Phase};
 pub use error::Error;

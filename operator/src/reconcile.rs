@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -86,20 +86,31 @@ pub fn error_policy(job: Arc<ElasticJob>, err: &Error, _ctx: Arc<Context>) -> Re
     Requeue::requeue(Duration::from_secs(15))
 }
 
+/// The pod an Event is about, so that events on different pods are not folded into one series.
+fn pod_ref(names: &Names, pod: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        name: Some(pod.into()),
+        namespace: Some(names.namespace.clone()),
+        ..Default::default()
+    }
+}
+
 async fn publish(
     ctx: &Context,
     job: &ElasticJob,
     type_: EventType,
-    reason: &str,
+    (reason, action): (&str, &str),
     note: String,
-    action: &str,
+    pod: Option<ObjectReference>,
 ) {
     let event = Event {
         type_,
         reason: reason.into(),
         note: Some(note),
         action: action.into(),
-        secondary: None,
+        secondary: pod,
     };
     // An Event is a courtesy: failing to write one must not fail the reconcile.
     if let Err(e) = ctx.recorder.publish(&event, &job.object_ref(&())).await {
@@ -183,7 +194,8 @@ async fn write_status(
                 EventType::Normal
             };
             let note = format!("the driver pod finished: {:?}", new.phase);
-            publish(ctx, job, type_, &format!("{:?}", new.phase), note, "Finish").await;
+            let reason = format!("{:?}", new.phase);
+            publish(ctx, job, type_, (&reason, "Finish"), note, None).await;
         }
     }
     Ok(())
@@ -243,13 +255,31 @@ async fn execute(
             ssa::<Pod>(ctx, ns, &resources::driver_pod(job)?).await?;
             info!(job = %names.job, "driver created");
             let note = format!("created driver pod {}", names.driver());
-            publish(ctx, job, EventType::Normal, "CreatedDriver", note, "Create").await;
+            let pod = Some(pod_ref(names, &names.driver()));
+            publish(
+                ctx,
+                job,
+                EventType::Normal,
+                ("CreatedDriver", "Create"),
+                note,
+                pod,
+            )
+            .await;
         }
         Action::CreateWorker { index } => {
             ssa::<Pod>(ctx, ns, &resources::worker_pod(job, *index)?).await?;
             let note = format!("created worker pod {}", names.worker(*index));
             info!(job = %names.job, pod = %names.worker(*index), "worker created");
-            publish(ctx, job, EventType::Normal, "CreatedWorker", note, "Create").await;
+            let pod = Some(pod_ref(names, &names.worker(*index)));
+            publish(
+                ctx,
+                job,
+                EventType::Normal,
+                ("CreatedWorker", "Create"),
+                note,
+                pod,
+            )
+            .await;
         }
         Action::DeleteWorker { name, why } => {
             let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
@@ -273,7 +303,8 @@ async fn execute(
                 }
                 _ => EventType::Normal,
             };
-            publish(ctx, job, type_, why.event_reason(), note, "Delete").await;
+            let pod = Some(pod_ref(names, name));
+            publish(ctx, job, type_, (why.event_reason(), "Delete"), note, pod).await;
         }
     }
     Ok(())
@@ -290,7 +321,15 @@ async fn cleanup(job: Arc<ElasticJob>, ctx: Arc<Context>) -> Result<Requeue, Err
     .await?;
     info!(job = %names.job, "job deleted; its pods are being removed");
     let note = format!("deleting the pods of job {}", names.job);
-    publish(&ctx, &job, EventType::Normal, "Cleanup", note, "Delete").await;
+    publish(
+        &ctx,
+        &job,
+        EventType::Normal,
+        ("Cleanup", "Delete"),
+        note,
+        None,
+    )
+    .await;
     Ok(Requeue::await_change())
 }
 
