@@ -2,7 +2,25 @@
 
 use std::path::PathBuf;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
+
+/// How workers are started (`--launcher`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LauncherKind {
+    /// Local processes for 127.0.0.x, `localhost` and this host; `ssh` for the others.
+    Auto,
+    /// Every worker through the `hvd-agent` on its host (secret in HVD_AGENT_SECRET).
+    Agent,
+}
+
+/// Where an elastic job's hosts come from (`--discovery`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DiscoveryKind {
+    /// `--host-discovery-script`, run every `--discovery-interval`.
+    Script,
+    /// The Ready worker pods matching `--selector`, kept current by a watch on the API server.
+    Kubernetes,
+}
 
 /// Launches a Horovod-compatible training program on one or more hosts.
 #[derive(Debug, Parser)]
@@ -123,6 +141,44 @@ pub struct Args {
     #[arg(long = "no-hierarchical-allreduce")]
     pub no_hierarchical_allreduce: bool,
 
+    /// How workers are started: `auto` (local processes for this machine, ssh otherwise) or
+    /// `agent` (through the hvd-agent on every host; secret in HVD_AGENT_SECRET).
+    #[arg(long = "launcher", value_enum, default_value_t = LauncherKind::Auto)]
+    pub launcher: LauncherKind,
+
+    /// Port the hvd-agents listen on (`--launcher agent`).
+    #[arg(long = "agent-port", value_name = "PORT", default_value_t = hvd_agent::DEFAULT_PORT)]
+    pub agent_port: u16,
+
+    /// Elastic: serve the job's state as JSON on `GET /status` at this port (0: any free port,
+    /// logged).
+    #[arg(long = "status-port", value_name = "PORT")]
+    pub status_port: Option<u16>,
+
+    /// Elastic: where hosts come from: `script` (implied by --host-discovery-script) or
+    /// `kubernetes` (the Ready pods matching --selector). Turns elastic mode on.
+    #[arg(long = "discovery", value_enum, value_name = "SOURCE")]
+    pub discovery: Option<DiscoveryKind>,
+
+    /// Kubernetes discovery: label selector of the worker pods, e.g. `app=train,role=worker`.
+    #[arg(long = "selector", value_name = "SELECTOR")]
+    pub selector: Option<String>,
+
+    /// Kubernetes discovery: namespace of the worker pods (default: this pod's, or the kube
+    /// config's).
+    #[arg(long = "namespace", value_name = "NS")]
+    pub namespace: Option<String>,
+
+    /// Kubernetes discovery: pod annotation giving a pod's slots (default `hvd.dev/slots`;
+    /// pods without it have `--slots`, else 1).
+    #[arg(long = "slots-annotation", value_name = "KEY")]
+    pub slots_annotation: Option<String>,
+
+    /// Kubernetes discovery: headless Service of the workers; hosts are then addressed as
+    /// `<pod hostname>.<service>.<namespace>.svc` instead of by pod IP.
+    #[arg(long = "service", value_name = "NAME")]
+    pub service: Option<String>,
+
     /// The training program and its arguments.
     #[arg(required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -157,6 +213,14 @@ const VALUE_FLAGS: &[&str] = &[
     "--cycle-time-ms",
     "--fusion-threshold-mb",
     "--cache-capacity",
+    "--launcher",
+    "--agent-port",
+    "--status-port",
+    "--discovery",
+    "--selector",
+    "--namespace",
+    "--slots-annotation",
+    "--service",
 ];
 
 /// Flags that take two values.

@@ -15,6 +15,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep_until};
 
+use crate::agent::{Agents, Remote};
 use crate::hosts;
 use crate::rendezvous::{self, Registration, Wire};
 
@@ -46,6 +47,22 @@ pub struct JobSpec {
     pub rendezvous_bind: String,
     /// More variables for every worker (the timeline's).
     pub extra_env: Vec<(String, String)>,
+    /// How workers are started.
+    pub launch: LaunchMode,
+}
+
+/// How workers are started (`--launcher`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LaunchMode {
+    /// Local processes for this machine's names and loopback addresses, `ssh` for the rest.
+    Auto,
+    /// Every worker through the `hvd-agent` on its host.
+    Agent {
+        /// The agents' port.
+        port: u16,
+        /// The secret shared with the agents.
+        secret: String,
+    },
 }
 
 /// How a job ended.
@@ -61,6 +78,15 @@ pub enum Outcome {
         host: String,
         /// Its exit status.
         status: ExitStatus,
+    },
+    /// A worker's agent was lost while the worker ran.
+    WorkerLost {
+        /// Its rank.
+        rank: usize,
+        /// Its host.
+        host: String,
+        /// What happened.
+        error: String,
     },
     /// A worker could not be started.
     SpawnFailed {
@@ -82,13 +108,25 @@ pub enum Outcome {
     Interrupted(Signal),
 }
 
-/// A worker process ended.
+/// A worker process ended (or never began).
 #[derive(Debug)]
 pub struct Exit {
     /// The worker's id (its rank, in a static job).
     pub worker: u64,
     /// How it ended.
-    pub status: ExitStatus,
+    pub end: Ended,
+}
+
+/// How a worker ended.
+#[derive(Debug)]
+pub enum Ended {
+    /// Its process ended with this status.
+    Status(ExitStatus),
+    /// It was never started: why (an agent that is unreachable or refused to start it).
+    NotStarted(String),
+    /// It started, but its agent was lost: what happened. The agent stops it (or it exits when
+    /// its rendezvous connection closes).
+    Lost(String),
 }
 
 fn worker_env(
@@ -184,9 +222,9 @@ pub fn new_secret() -> std::io::Result<String> {
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
-/// Starts worker processes, locally or through ssh, and relays their output. Each worker's
-/// exit is reported on `exits`.
-#[derive(Debug, Clone)]
+/// Starts worker processes, locally, through ssh or through agents, and relays their output.
+/// Each started worker's end is reported once on `exits`.
+#[derive(Debug)]
 pub struct Launcher {
     /// The training command.
     pub command: Vec<String>,
@@ -198,25 +236,82 @@ pub struct Launcher {
     pub cwd: PathBuf,
     /// Where exits are reported.
     pub exits: mpsc::Sender<Exit>,
+    /// With `--launcher agent`: the agents every worker is started through.
+    pub agents: Option<Agents>,
 }
 
 /// A started worker.
 #[derive(Debug)]
 pub struct Spawned {
-    /// Its process id (its process group id too).
-    pub pid: Option<i32>,
+    /// How to stop it.
+    pub handle: Handle,
     /// The tasks relaying its output.
     pub relays: Vec<tokio::task::JoinHandle<()>>,
 }
 
+/// How to stop a started worker.
+#[derive(Debug, Clone)]
+pub enum Handle {
+    /// A process group of this machine (a local worker, or the ssh client of a remote one).
+    Group(i32),
+    /// A process whose pid was gone before it was known.
+    Gone,
+    /// A process an agent runs.
+    Agent(Remote),
+}
+
+impl Handle {
+    /// SIGTERM or SIGKILL to the worker's process group; through an agent, SIGTERM is a stop
+    /// that the agent itself escalates to SIGKILL after [`TERM_GRACE`].
+    pub fn signal(&self, sig: Signal) {
+        match self {
+            Handle::Group(pid) => {
+                if let Err(e) = killpg(Pid::from_raw(*pid), sig) {
+                    tracing::debug!(pid, error = %e, "signalling worker failed (already gone?)");
+                }
+            }
+            Handle::Gone => {}
+            Handle::Agent(r) => r.stop(if sig == Signal::SIGKILL {
+                Duration::ZERO
+            } else {
+                TERM_GRACE
+            }),
+        }
+    }
+}
+
 impl Launcher {
+    /// A launcher for `command`, started as `mode` says; exits go to `exits`.
+    ///
+    /// # Errors
+    /// When the current directory can't be read.
+    pub fn new(
+        command: Vec<String>,
+        ssh_port: Option<u16>,
+        ssh_identity: Option<PathBuf>,
+        mode: &LaunchMode,
+        exits: mpsc::Sender<Exit>,
+    ) -> std::io::Result<Self> {
+        Ok(Self {
+            command,
+            ssh_port,
+            ssh_identity,
+            cwd: std::env::current_dir()?,
+            exits,
+            agents: match mode {
+                LaunchMode::Auto => None,
+                LaunchMode::Agent { port, secret } => Some(Agents::new(*port, secret.clone())),
+            },
+        })
+    }
+
     /// Starts worker `id` on `host` with `env`; its output lines carry `[label]`, and are also
     /// written to `log/{stdout,stderr}` when `log` is given.
     ///
     /// # Errors
     /// The reason the process could not be started.
     pub fn spawn(
-        &self,
+        &mut self,
         id: u64,
         label: &str,
         host: &str,
@@ -224,6 +319,25 @@ impl Launcher {
         env: Vec<(String, String)>,
         log: Option<PathBuf>,
     ) -> Result<Spawned, String> {
+        if let Some(dir) = &log {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("creating the log directory {}: {e}", dir.display()))?;
+        }
+        let file = |name: &str| log.as_ref().map(|d| d.join(name));
+        if let Some(agents) = self.agents.as_mut() {
+            let cwd = Some(self.cwd.display().to_string());
+            let (remote, out, err) =
+                agents.start(host, id, self.command.clone(), env, cwd, &self.exits)?;
+            tracing::debug!(worker = id, host, "worker handed to the agent");
+            let relays = vec![
+                tokio::spawn(relay(label.to_string(), "stdout", out, file("stdout"))),
+                tokio::spawn(relay(label.to_string(), "stderr", err, file("stderr"))),
+            ];
+            return Ok(Spawned {
+                handle: Handle::Agent(remote),
+                relays,
+            });
+        }
         let mut cmd = if local {
             let mut c = Command::new(&self.command[0]);
             c.args(&self.command[1..]).envs(env);
@@ -241,10 +355,6 @@ impl Launcher {
             c.args(&argv[1..]);
             c
         };
-        if let Some(dir) = &log {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| format!("creating the log directory {}: {e}", dir.display()))?;
-        }
         // Its own process group, so stopping a worker stops whatever it started too.
         cmd.process_group(0)
             .stdin(Stdio::null())
@@ -257,7 +367,6 @@ impl Launcher {
         let pid = child.id().and_then(|p| i32::try_from(p).ok());
         tracing::debug!(worker = id, host, ?pid, "worker started");
         let mut relays = Vec::new();
-        let file = |name: &str| log.as_ref().map(|d| d.join(name));
         if let Some(out) = child.stdout.take() {
             relays.push(tokio::spawn(relay(
                 label.to_string(),
@@ -284,9 +393,11 @@ impl Launcher {
                 }
             };
             // The job may be over; then nobody listens.
-            let _ = exits.send(Exit { worker: id, status }).await;
+            let end = Ended::Status(status);
+            let _ = exits.send(Exit { worker: id, end }).await;
         });
-        Ok(Spawned { pid, relays })
+        let handle = pid.map_or(Handle::Gone, Handle::Group);
+        Ok(Spawned { handle, relays })
     }
 }
 
@@ -310,14 +421,14 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let (tx, mut rx) = mpsc::channel::<Exit>(size + 8);
-    let launcher = Launcher {
-        command: spec.command.clone(),
-        ssh_port: spec.ssh_port,
-        ssh_identity: spec.ssh_identity.clone(),
-        cwd: std::env::current_dir()?,
-        exits: tx,
-    };
-    let mut pids: Vec<Option<i32>> = vec![None; size];
+    let mut launcher = Launcher::new(
+        spec.command.clone(),
+        spec.ssh_port,
+        spec.ssh_identity.clone(),
+        &spec.launch,
+        tx,
+    )?;
+    let mut handles: Vec<Option<Handle>> = vec![None; size];
     let mut relays = Vec::new();
     let mut outcome = None;
     for s in &spec.slots {
@@ -329,7 +440,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
         let label = s.rank.to_string();
         match launcher.spawn(s.rank as u64, &label, &s.host, spec.local[s.rank], env, log) {
             Ok(w) => {
-                pids[s.rank] = w.pid;
+                handles[s.rank] = Some(w.handle);
                 relays.extend(w.relays);
             }
             Err(error) => {
@@ -348,7 +459,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
     let deadline = started + spec.start_timeout;
     let mut regs: Vec<Option<Registration>> = (0..size).map(|_| None).collect();
     let mut world_sent = false;
-    let mut running = pids.iter().filter(|p| p.is_some()).count();
+    let mut running = handles.iter().filter(|h| h.is_some()).count();
     let mut exited = vec![false; size];
     while outcome.is_none() && running > 0 {
         tokio::select! {
@@ -373,14 +484,19 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
                 Wire::Left { .. } => {}
             },
             ev = rx.recv() => match ev {
-                Some(Exit { worker, status }) => {
+                Some(Exit { worker, end }) => {
                     let rank = worker as usize;
+                    if rank >= size || exited[rank] {
+                        continue;
+                    }
                     exited[rank] = true;
                     running -= 1;
-                    if status.success() {
-                        tracing::debug!(rank, "worker exited 0");
-                    } else {
-                        outcome = Some(Outcome::WorkerFailed { rank, host: spec.slots[rank].host.clone(), status });
+                    let host = spec.slots[rank].host.clone();
+                    match end {
+                        Ended::Status(status) if status.success() => tracing::debug!(rank, "worker exited 0"),
+                        Ended::Status(status) => outcome = Some(Outcome::WorkerFailed { rank, host, status }),
+                        Ended::NotStarted(error) => outcome = Some(Outcome::SpawnFailed { rank, host, error }),
+                        Ended::Lost(error) => outcome = Some(Outcome::WorkerLost { rank, host, error }),
                     }
                 }
                 None => break,
@@ -394,14 +510,15 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
         }
     }
     if running > 0 {
-        let targets: Vec<(u64, i32)> = pids
+        let targets: Vec<(u64, Handle)> = handles
             .iter()
             .enumerate()
             .filter(|(r, _)| !exited[*r])
-            .filter_map(|(r, p)| p.map(|p| (r as u64, p)))
+            .filter_map(|(r, h)| h.clone().map(|h| (r as u64, h)))
             .collect();
         stop_workers(&targets, &mut rx).await;
     }
+    drop(handles); // closes the agent connections: nothing of this job is left to run there
     server.abort();
     drop(regs); // closes the rendezvous connections
     for r in relays {
@@ -431,20 +548,18 @@ fn send_world(slots: &[SlotInfo], regs: &[Option<Registration>]) {
     }
 }
 
-/// SIGTERM to each `(worker, pid)` process group, SIGKILL after a grace period; returns once
-/// all have exited or the grace after SIGKILL is over. Exits seen here are returned.
-pub async fn stop_workers(targets: &[(u64, i32)], rx: &mut mpsc::Receiver<Exit>) -> Vec<Exit> {
-    let mut left: Vec<(u64, i32)> = targets.to_vec();
+/// SIGTERM to each `(worker, handle)`, SIGKILL after a grace period; returns once all have
+/// exited or the grace after SIGKILL is over. Exits seen here are returned.
+pub async fn stop_workers(targets: &[(u64, Handle)], rx: &mut mpsc::Receiver<Exit>) -> Vec<Exit> {
+    let mut left: Vec<(u64, Handle)> = targets.to_vec();
     let mut seen = Vec::new();
     if left.is_empty() {
         return seen;
     }
     tracing::info!(workers = left.len(), "stopping workers");
     for sig in [Signal::SIGTERM, Signal::SIGKILL] {
-        for (worker, pid) in &left {
-            if let Err(e) = killpg(Pid::from_raw(*pid), sig) {
-                tracing::debug!(worker, error = %e, "signalling worker failed (already gone?)");
-            }
+        for (_, handle) in &left {
+            handle.signal(sig);
         }
         let until = Instant::now() + TERM_GRACE;
         while !left.is_empty() {

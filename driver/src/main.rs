@@ -1,5 +1,6 @@
 //! `horovodrun`: launches a training program on several hosts and supervises it.
 
+mod agent;
 mod cli;
 mod elastic;
 mod hosts;
@@ -15,7 +16,7 @@ use clap::Parser;
 use hvd_discovery::{HostSpec, parse_host_list, parse_hostfile};
 use hvd_rendezvous::{HostSlots, assign_static};
 
-use crate::job::{JobSpec, Outcome};
+use crate::job::{JobSpec, LaunchMode, Outcome};
 
 /// Exit code for a usage or configuration error (sysexits EX_USAGE).
 const EX_USAGE: u8 = 64;
@@ -34,7 +35,10 @@ fn main() -> ExitCode {
         }
     };
     init_tracing(args.verbose);
-    if args.discovery_script.is_some() || args.min_np.is_some_and(|n| n > 0) {
+    if args.discovery_script.is_some()
+        || args.discovery.is_some()
+        || args.min_np.is_some_and(|n| n > 0)
+    {
         return drive(plan_elastic(&args), elastic::run::run, report_elastic);
     }
     drive(
@@ -186,7 +190,32 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
         rendezvous_host,
         start_timeout,
         extra_env: timeline_env(args)?,
+        launch: launch_mode(args, std::env::var(hvd_agent::ENV_AGENT_SECRET).ok())?,
     })
+}
+
+/// How workers are started, from `--launcher`, `--agent-port` and the agent secret (from
+/// `HVD_AGENT_SECRET`, passed in).
+fn launch_mode(args: &cli::Args, secret: Option<String>) -> anyhow::Result<LaunchMode> {
+    match args.launcher {
+        cli::LauncherKind::Auto => Ok(LaunchMode::Auto),
+        cli::LauncherKind::Agent => {
+            let secret = secret.map(|s| s.trim().to_string()).unwrap_or_default();
+            if secret.is_empty() {
+                bail!(
+                    "--launcher agent needs the agents' shared secret in {}",
+                    hvd_agent::ENV_AGENT_SECRET
+                );
+            }
+            if args.agent_port == 0 {
+                bail!("--agent-port must be a port number from 1 to 65535, not 0");
+            }
+            Ok(LaunchMode::Agent {
+                port: args.agent_port,
+                secret,
+            })
+        }
+    }
 }
 
 /// The engine and timeline settings the workers get: `--cycle-time-ms`,
@@ -349,6 +378,7 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
         rendezvous_host,
         rendezvous_bind,
         extra_env: timeline_env(args)?,
+        launch: launch_mode(args, std::env::var(hvd_agent::ENV_AGENT_SECRET).ok())?,
     })
 }
 
@@ -384,6 +414,12 @@ fn report(outcome: Outcome, np: usize) -> ExitCode {
                 "horovodrun: error: rank {rank} on host {host} {how}; the other workers were stopped"
             );
             ExitCode::from(code)
+        }
+        Outcome::WorkerLost { rank, host, error } => {
+            eprintln!(
+                "horovodrun: error: rank {rank} on host {host} was lost: {error}; the other workers were stopped"
+            );
+            ExitCode::FAILURE
         }
         Outcome::SpawnFailed { rank, host, error } => {
             eprintln!("horovodrun: error: could not start rank {rank} on host {host}: {error}");

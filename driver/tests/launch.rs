@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
+mod support;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -12,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use support::assert_probe_lines;
 
 fn horovodrun() -> Command {
     Command::new(env!("CARGO_BIN_EXE_horovodrun"))
@@ -163,18 +166,7 @@ fn four_workers_on_two_hosts_succeed_with_prefixed_output() {
     ]);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stderr}");
-    for r in 0..4 {
-        for i in 0..2 {
-            assert!(
-                stdout.contains(&format!("[{r}]<stdout>:out line {i} from rank {r}\n")),
-                "{stdout}"
-            );
-            assert!(
-                stderr.contains(&format!("[{r}]<stderr>:err line {i} from rank {r}\n")),
-                "{stderr}"
-            );
-        }
-    }
+    assert_probe_lines(&stdout, &stderr, 4, 2);
     let mut topo: Vec<serde_json::Value> = stdout
         .lines()
         .filter_map(|l| l.split_once(":{").map(|(_, j)| format!("{{{j}")))

@@ -4,20 +4,18 @@
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::ExitStatus;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use hvd_discovery::{HostSpec, ScriptDiscovery};
 use hvd_rendezvous::{self as rv, DriverMsg, HostsUpdate};
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep_until};
 
 use super::core::{Action, Config, Core, ExitInfo, Input, WorkerId};
 use crate::hosts;
-use crate::job::{Exit, Launcher, new_secret, stop_workers};
+use crate::job::{Ended, Exit, Handle, LaunchMode, Launcher, new_secret, stop_workers};
 use crate::rendezvous::{self, Registration, Wire};
 
 /// Where the hosts come from.
@@ -54,6 +52,8 @@ pub struct ElasticSpec {
     pub start_timeout: Duration,
     /// More variables for every worker (the timeline's).
     pub extra_env: Vec<(String, String)>,
+    /// How workers are started.
+    pub launch: LaunchMode,
 }
 
 /// How the job ended: the code `horovodrun` exits with and what it prints.
@@ -65,7 +65,22 @@ pub struct Ending {
     pub message: String,
 }
 
-fn describe(status: ExitStatus) -> ExitInfo {
+fn describe(end: Ended) -> ExitInfo {
+    let status = match end {
+        Ended::Status(s) => s,
+        Ended::NotStarted(e) => {
+            return ExitInfo {
+                success: false,
+                description: format!("could not be started: {e}"),
+            };
+        }
+        Ended::Lost(e) => {
+            return ExitInfo {
+                success: false,
+                description: e,
+            };
+        }
+    };
     let description = match (status.code(), status.signal()) {
         (Some(c), _) => format!("exited with code {c}"),
         (None, Some(s)) => format!(
@@ -88,7 +103,7 @@ struct Driver {
     port: u16,
     own_host: String,
     launcher: Launcher,
-    pids: HashMap<WorkerId, i32>,
+    handles: HashMap<WorkerId, Handle>,
     hosts_of: HashMap<WorkerId, String>,
     regs: HashMap<WorkerId, Registration>,
     relays: Vec<tokio::task::JoinHandle<()>>,
@@ -164,9 +179,7 @@ impl Driver {
                 {
                     Ok(s) => {
                         tracing::info!(worker, %host, "worker started");
-                        if let Some(pid) = s.pid {
-                            self.pids.insert(worker, pid);
-                        }
+                        self.handles.insert(worker, s.handle);
                         self.relays.extend(s.relays);
                         None
                     }
@@ -180,11 +193,9 @@ impl Driver {
                 }
             }
             Action::Stop { worker } => {
-                if let Some(&pid) = self.pids.get(&worker) {
+                if let Some(h) = self.handles.get(&worker) {
                     // A failed or hung worker: no grace (a stopped process ignores SIGTERM).
-                    if let Err(e) = killpg(Pid::from_raw(pid), Signal::SIGKILL) {
-                        tracing::debug!(worker, error = %e, "worker already gone");
-                    }
+                    h.signal(Signal::SIGKILL);
                 }
                 None
             }
@@ -193,10 +204,10 @@ impl Driver {
                     r.send(&DriverMsg::Removed { reason });
                 }
                 // A removed worker exits by itself; one that doesn't is stopped.
-                if let Some(&pid) = self.pids.get(&worker) {
+                if let Some(h) = self.handles.get(&worker).cloned() {
                     tokio::spawn(async move {
                         tokio::time::sleep(Duration::from_secs(10)).await;
-                        let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+                        h.signal(Signal::SIGKILL);
                     });
                 }
                 None
@@ -294,13 +305,13 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let (exit_tx, mut exit_rx) = mpsc::channel::<Exit>(256);
-    let launcher = Launcher {
-        command: spec.command.clone(),
-        ssh_port: spec.ssh_port,
-        ssh_identity: spec.ssh_identity.clone(),
-        cwd: std::env::current_dir()?,
-        exits: exit_tx,
-    };
+    let launcher = Launcher::new(
+        spec.command.clone(),
+        spec.ssh_port,
+        spec.ssh_identity.clone(),
+        &spec.launch,
+        exit_tx,
+    )?;
     let own_host = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();
@@ -312,7 +323,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         port,
         own_host,
         launcher,
-        pids: HashMap::new(),
+        handles: HashMap::new(),
         hosts_of: HashMap::new(),
         regs: HashMap::new(),
         relays: Vec::new(),
@@ -345,10 +356,10 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
                     tracing::debug!(worker, clean, "worker connection closed");
                 }
             },
-            Some(Exit { worker, status }) = exit_rx.recv() => {
-                d.pids.remove(&worker);
+            Some(Exit { worker, end }) = exit_rx.recv() => {
+                d.handles.remove(&worker);
                 d.regs.remove(&worker);
-                d.feed(Input::Exited { worker, exit: describe(status) });
+                d.feed(Input::Exited { worker, exit: describe(end) });
             }
             () = sleep_until(tick) => d.feed(Input::Tick),
             _ = sigint.recv() => interrupted = Some(Signal::SIGINT),
@@ -356,8 +367,10 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         }
     }
     poller.abort();
-    let targets: Vec<(u64, i32)> = d.pids.iter().map(|(w, p)| (*w, *p)).collect();
+    let targets: Vec<(u64, Handle)> = d.handles.drain().collect();
     stop_workers(&targets, &mut exit_rx).await;
+    drop(targets);
+    d.launcher.agents = None; // closes the agent connections: nothing is left running there
     server.abort();
     d.regs.clear();
     for r in d.relays.drain(..) {

@@ -1,0 +1,362 @@
+//! `horovodrun --launcher agent` end to end: real `hvd-agent` processes on 127.0.0.2 and
+//! 127.0.0.3 (one free port, the same on both), static and elastic jobs of the example
+//! programs started through them, a worker and a whole agent killed on their host, a wrong
+//! secret, an unreachable agent, and a driver that dies while its agents run its workers.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use support::{Job, assert_probe_lines, check_counter, example, scratch, signal};
+
+const SECRET_VAR: &str = "HVD_AGENT_SECRET";
+const HOSTS2: &[&str] = &["127.0.0.2:2", "127.0.0.3:2"];
+const COUNTER: &[&str] = &["--steps", "250", "--commit-every", "5", "--step-ms", "10"];
+
+/// A running `hvd-agent`, killed when dropped; its log is collected as it runs.
+struct Agent {
+    child: Child,
+    log: Arc<Mutex<String>>,
+}
+
+impl Agent {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Waits until the log contains `what` `n` times.
+    fn wait_log(&self, what: &str, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.log().matches(what).count() < n {
+            assert!(
+                Instant::now() < deadline,
+                "agent never logged {what:?}: {}",
+                self.log()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn agent_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe");
+    let p = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target dir")
+        .join("hvd-agent");
+    assert!(
+        p.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`, which builds it",
+        p.display()
+    );
+    p
+}
+
+/// Starts an agent on `listen`; `None` when it could not listen there.
+fn start_agent(listen: &str, secret: &str) -> Option<(Agent, String)> {
+    let mut child = Command::new(agent_binary())
+        .args(["--listen", listen])
+        .env(SECRET_VAR, secret)
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn hvd-agent");
+    let err = child.stderr.take().expect("stderr");
+    let log = Arc::new(Mutex::new(String::new()));
+    let (tx, rx) = mpsc::channel();
+    let sink = log.clone();
+    thread::spawn(move || {
+        for l in BufReader::new(err).lines().map_while(Result::ok) {
+            if let Some((_, a)) = l.split_once("addr=") {
+                let _ = tx.send(a.split_whitespace().next().unwrap_or_default().to_string());
+            }
+            let mut s = sink.lock().unwrap();
+            s.push_str(&l);
+            s.push('\n');
+        }
+    });
+    let agent = Agent { child, log };
+    let addr = rx.recv_timeout(Duration::from_secs(20)).ok()?;
+    Some((agent, addr))
+}
+
+/// One agent on each of `ips`, all on one free port; returns them and the port.
+fn agents(ips: &[&str], secret: &str) -> (Vec<Agent>, u16) {
+    for _ in 0..10 {
+        let (first, addr) = start_agent(&format!("{}:0", ips[0]), secret).expect("first agent");
+        let port: u16 = addr.rsplit_once(':').unwrap().1.parse().unwrap();
+        let mut all = vec![first];
+        for ip in &ips[1..] {
+            match start_agent(&format!("{ip}:{port}"), secret) {
+                Some((a, _)) => all.push(a),
+                None => break, // the port is taken there; try another
+            }
+        }
+        if all.len() == ips.len() {
+            return (all, port);
+        }
+    }
+    panic!("no port free on all of {ips:?}");
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+    })
+}
+
+/// Processes whose parent is `parent`.
+fn children(parent: u32) -> Vec<i32> {
+    let parent = parent.to_string();
+    std::fs::read_dir("/proc")
+        .expect("proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                s.rsplit_once(')')
+                    .and_then(|(_, r)| r.split_whitespace().nth(1).map(|p| p == parent))
+                    .unwrap_or(false)
+            })
+        })
+        .collect()
+}
+
+fn wait_gone(pids: &[i32], what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(Instant::now() < deadline, "{what}: {pids:?} still running");
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// An elastic counter job through agents listening on `port`.
+fn elastic_job(name: &str, hosts: &[&str], flags: &[&str], port: u16, secret: &str) -> Job {
+    let port = port.to_string();
+    let mut all = vec!["--launcher", "agent", "--agent-port", &port];
+    all.extend_from_slice(flags);
+    Job::start_env(
+        scratch(name),
+        hosts,
+        &all,
+        "elastic_counter",
+        COUNTER,
+        &[(SECRET_VAR, secret)],
+    )
+}
+
+#[test]
+fn a_static_job_runs_every_rank_through_the_agents() {
+    let secret = format!("static-{}", std::process::id());
+    let (agents, port) = agents(&["127.0.0.2", "127.0.0.3"], &secret);
+    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args(["--launcher", "agent", "--agent-port", &port.to_string()])
+        .args(["-np", "4", "-H", "127.0.0.2:2,127.0.0.3:2"])
+        .args([&example("hvd_probe"), "--lines", "2"])
+        .env(SECRET_VAR, &secret)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_probe_lines(&stdout, &stderr, 4, 2);
+    for a in &agents {
+        let log = a.log();
+        assert_eq!(log.matches("process started").count(), 2, "{log}");
+        assert_eq!(log.matches("code=Some(0)").count(), 2, "{log}");
+    }
+}
+
+/// Agents on 127.0.0.2 and 127.0.0.3 and an elastic counter job of 4 workers on them (min 2),
+/// trained to step 20.
+fn four_workers_on_two_agents(name: &str) -> (Vec<Agent>, u16, Job) {
+    let secret = format!("{name}-{}", std::process::id());
+    let (agents, port) = agents(&["127.0.0.2", "127.0.0.3"], &secret);
+    let flags = &["-np", "4", "--min-np", "2"];
+    let mut job = elastic_job(name, HOSTS2, flags, port, &secret);
+    job.parents = agents.iter().map(Agent::pid).collect();
+    job.wait_step(20, 4);
+    (agents, port, job)
+}
+
+#[test]
+fn a_worker_killed_on_its_host_shrinks_the_elastic_job_and_loses_no_step() {
+    let (_agents, _, mut job) = four_workers_on_two_agents("agent-kill");
+    // The workers are the agents' children, not the driver's.
+    assert_eq!(job.workers().len(), 4, "{:?}", job.workers());
+    signal(job.pid_of_rank(3), Signal::SIGKILL);
+    job.wait_step(1, 2);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+    assert!(
+        err.contains("worker failed") && err.contains("killed by signal 9"),
+        "{err}"
+    );
+    assert!(err.contains("blacklisted"), "{err}");
+}
+
+#[test]
+fn a_lost_agent_fails_its_workers_and_the_job_recovers_without_it() {
+    let (mut agents, port, mut job) = four_workers_on_two_agents("agent-lost");
+    let orphans = job.pids_on("127.0.0.3");
+    assert_eq!(orphans.len(), 2);
+    let dead = agents.pop().unwrap();
+    signal(dead.pid() as i32, Signal::SIGKILL);
+    job.wait_step(1, 2);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+    assert!(
+        err.contains(&format!(
+            "the hvd agent at 127.0.0.3:{port} closed the connection"
+        )),
+        "{err}"
+    );
+    // Their agent is gone, so the workers it ran exit by themselves: the driver closed their
+    // rendezvous connections.
+    wait_gone(&orphans, "workers of the lost agent");
+}
+
+#[test]
+fn an_unreachable_agent_is_a_failed_host_of_the_elastic_job() {
+    let secret = format!("unreachable-{}", std::process::id());
+    let (_agents, port) = agents(&["127.0.0.2"], &secret);
+    let hosts = &["127.0.0.2:2", "127.0.0.5:2"];
+    let job = elastic_job(
+        "agent-unreachable",
+        hosts,
+        &["-np", "2", "--max-np", "4"],
+        port,
+        &secret,
+    );
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+    assert!(
+        err.contains(&format!(
+            "could not be started: cannot reach the hvd agent at 127.0.0.5:{port}"
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains("host blacklisted") && err.contains("127.0.0.5"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_wrong_secret_is_refused_with_a_clear_message() {
+    let (agents, port) = agents(&["127.0.0.2"], "the-right-one");
+    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args(["--launcher", "agent", "--agent-port", &port.to_string()])
+        .args(["-np", "2", "-H", "127.0.0.2:2", &example("hvd_probe")])
+        .env(SECRET_VAR, "a-wrong-one")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "could not start rank 0 on host 127.0.0.2: the hvd agent at 127.0.0.2:{port} \
+             refused the connection: wrong secret"
+        )),
+        "{stderr}"
+    );
+    agents[0].wait_log("wrong secret", 1);
+    let log = agents[0].log();
+    assert!(
+        log.contains("driver connection refused peer=127.0.0."),
+        "{log}"
+    );
+    assert!(!log.contains("process started"), "{log}");
+}
+
+#[test]
+fn without_the_secret_the_agent_launcher_is_a_usage_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args(["--launcher", "agent", "-np", "1", "true"])
+        .env_remove(SECRET_VAR)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("HVD_AGENT_SECRET"));
+}
+
+#[test]
+fn agents_kill_the_workers_of_a_driver_that_died() {
+    let secret = format!("orphans-{}", std::process::id());
+    let (agents, port) = agents(&["127.0.0.2", "127.0.0.3"], &secret);
+    // Workers that ignore SIGTERM and never register: only the agent can end them.
+    let mut driver = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args(["--launcher", "agent", "--agent-port", &port.to_string()])
+        .args([
+            "-np",
+            "2",
+            "-H",
+            "127.0.0.2:1,127.0.0.3:1",
+            "--start-timeout",
+            "120",
+        ])
+        .args(["sh", "-c", "trap '' TERM; sleep 120 & wait"])
+        .env(SECRET_VAR, &secret)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut workers = Vec::new();
+    for a in &agents {
+        a.wait_log("process started", 1);
+        let shells = children(a.pid());
+        assert_eq!(shells.len(), 1, "{}", a.log());
+        workers.extend(&shells);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let sleeps = children(shells[0] as u32);
+            if !sleeps.is_empty() {
+                workers.extend(sleeps);
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the worker's child never started"
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+    driver.kill().unwrap();
+    driver.wait().unwrap();
+    wait_gone(&workers, "workers of a dead driver");
+    for a in &agents {
+        assert!(
+            a.log()
+                .contains("stopping the processes this driver started"),
+            "{}",
+            a.log()
+        );
+        assert!(alive(a.pid() as i32), "the agent waits for the next driver");
+    }
+}

@@ -1,0 +1,371 @@
+//! Helpers for the tests that run elastic `horovodrun` jobs of the example programs: a scratch
+//! discovery script, the job's counter lines, its worker processes, and the counter's invariants.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)] // each test file uses a part
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::Value;
+
+pub fn example(name: &str) -> String {
+    let exe = std::env::current_exe().expect("test exe");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let p: PathBuf = dir.join("examples").join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`, which builds the examples",
+        p.display()
+    );
+    p.display().to_string()
+}
+
+/// One counter line: the worker id from the output prefix and the JSON event.
+#[derive(Debug, Clone)]
+pub struct Line {
+    /// The worker id.
+    pub worker: u64,
+    /// The event.
+    pub v: Value,
+}
+
+pub struct Job {
+    /// The `horovodrun` process.
+    pub child: Child,
+    dir: PathBuf,
+    lines: mpsc::Receiver<Line>,
+    /// Counter lines seen so far.
+    pub seen: Vec<Line>,
+    stderr: Option<thread::JoinHandle<String>>,
+    /// Processes whose children are the job's workers: `horovodrun`, or the agents.
+    pub parents: Vec<u32>,
+}
+
+/// A scratch directory with `hosts` (what discovery prints) and `discover.sh`.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("hvd-elastic-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let script = dir.join("discover.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nif [ -f {d}/mode ]; then . {d}/mode; fi\ncat {d}/hosts\n",
+            d = dir.display()
+        ),
+    )
+    .expect("script");
+    let mut perm = std::fs::metadata(&script).expect("meta").permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&script, perm).expect("chmod");
+    dir
+}
+
+impl Job {
+    /// Starts `horovodrun <flags> --host-discovery-script … elastic_counter <counter>` with
+    /// discovery printing `hosts`.
+    pub fn start(name: &str, hosts: &[&str], flags: &[&str], counter: &[&str]) -> Self {
+        let dir = scratch(name);
+        Self::start_in(dir, hosts, flags, "elastic_counter", counter)
+    }
+
+    /// Starts `program` (an example) with `args` under elastic horovodrun in `dir`.
+    pub fn start_in(
+        dir: PathBuf,
+        hosts: &[&str],
+        flags: &[&str],
+        program: &str,
+        args: &[&str],
+    ) -> Self {
+        Self::start_env(dir, hosts, flags, program, args, &[])
+    }
+
+    /// [`Job::start_in`] with more environment variables for `horovodrun`.
+    pub fn start_env(
+        dir: PathBuf,
+        hosts: &[&str],
+        flags: &[&str],
+        program: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n").expect("hosts");
+        let script = dir.join("discover.sh").display().to_string();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+            .args(flags)
+            .args([
+                "--host-discovery-script",
+                &script,
+                "--discovery-interval",
+                "0.2",
+            ])
+            .arg(example(program))
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn horovodrun");
+        let out = child.stdout.take().expect("stdout");
+        let mut err = child.stderr.take().expect("stderr");
+        let (tx, lines) = mpsc::channel();
+        thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let Some((prefix, json)) = l.split_once("<stdout>:") else {
+                    continue;
+                };
+                let worker = prefix.trim_start_matches('[').trim_end_matches(']');
+                if let (Ok(worker), Ok(v)) = (worker.parse(), serde_json::from_str(json)) {
+                    if tx.send(Line { worker, v }).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let stderr = thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        });
+        let parents = vec![child.id()];
+        Self {
+            child,
+            dir,
+            lines,
+            seen: Vec::new(),
+            stderr: Some(stderr),
+            parents,
+        }
+    }
+
+    pub fn set_hosts(&self, hosts: &[&str]) {
+        let tmp = self.dir.join("hosts.tmp");
+        std::fs::write(&tmp, hosts.join("\n") + "\n").expect("hosts");
+        std::fs::rename(tmp, self.dir.join("hosts")).expect("rename");
+    }
+
+    /// Shell lines the discovery script runs before printing the hosts.
+    pub fn set_mode(&self, sh: &str) {
+        std::fs::write(self.dir.join("mode"), sh).expect("mode");
+    }
+
+    /// Waits for a line matching `pred`; returns it.
+    pub fn wait_for(&mut self, what: &str, pred: impl Fn(&Line) -> bool) -> Line {
+        if let Some(l) = self.seen.iter().find(|l| pred(l)) {
+            return l.clone();
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if pred(&l) {
+                        return l;
+                    }
+                }
+                Err(_) => panic!("never saw {what}; lines: {:?}", self.tail()),
+            }
+        }
+    }
+
+    pub fn wait_step(&mut self, step: u64, size: u64) -> Line {
+        self.wait_for(&format!("step {step} at size {size}"), |l| {
+            l.v["event"] == "step" && l.v["step"].as_u64() >= Some(step) && l.v["size"] == size
+        })
+    }
+
+    pub fn tail(&self) -> Vec<String> {
+        let n = self.seen.len();
+        self.seen[n.saturating_sub(20)..]
+            .iter()
+            .map(|l| format!("[{}] {}", l.worker, l.v))
+            .collect()
+    }
+
+    /// Worker processes of this job: (pid, worker id, host).
+    pub fn workers(&self) -> Vec<(i32, u64, String)> {
+        let parents: Vec<String> = self.parents.iter().map(u32::to_string).collect();
+        let mut out = Vec::new();
+        for e in std::fs::read_dir("/proc").expect("proc").flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+            let fields: Vec<&str> = after.split_whitespace().collect();
+            if !fields
+                .get(1)
+                .is_some_and(|p| parents.iter().any(|q| q == p))
+                || fields.first() == Some(&"Z")
+            {
+                continue;
+            }
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let mut id = None;
+            let mut host = String::new();
+            for kv in env.split(|&b| b == 0) {
+                let kv = String::from_utf8_lossy(kv);
+                if let Some(v) = kv.strip_prefix("HVD_WORKER_ID=") {
+                    id = v.parse().ok();
+                } else if let Some(v) = kv.strip_prefix("HOROVOD_HOSTNAME=") {
+                    host = v.to_string();
+                }
+            }
+            if let Some(id) = id {
+                out.push((pid, id, host));
+            }
+        }
+        out.sort_by_key(|w| w.1);
+        out
+    }
+
+    /// The pid of the worker that printed rank `rank` most recently.
+    pub fn pid_of_rank(&self, rank: u64) -> i32 {
+        let id = self
+            .seen
+            .iter()
+            .rev()
+            .find(|l| l.v["event"] == "step" && l.v["rank"] == rank)
+            .map(|l| l.worker)
+            .expect("a step of that rank");
+        self.workers()
+            .iter()
+            .find(|w| w.1 == id)
+            .map(|w| w.0)
+            .expect("its process")
+    }
+
+    pub fn pids_on(&self, host: &str) -> Vec<i32> {
+        self.workers()
+            .iter()
+            .filter(|w| w.2 == host)
+            .map(|w| w.0)
+            .collect()
+    }
+
+    /// Waits for horovodrun to exit; returns its code, stderr and every counter line.
+    pub fn finish(mut self) -> (i32, String, Vec<Line>) {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let status = loop {
+            if let Some(st) = self.child.try_wait().expect("wait") {
+                break st;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("horovodrun did not exit; lines: {:?}", self.tail());
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(2)) {
+            self.seen.push(l);
+        }
+        let err = self
+            .stderr
+            .take()
+            .and_then(|h| h.join().ok())
+            .unwrap_or_default();
+        let _ = std::fs::remove_dir_all(&self.dir);
+        (
+            status.code().unwrap_or(-1),
+            err,
+            std::mem::take(&mut self.seen),
+        )
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        // A failed test must not leave a job running; its workers follow their driver.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn signal(pid: i32, sig: Signal) {
+    kill(Pid::from_raw(pid), sig).expect("signal worker");
+}
+
+/// The counter's invariants over a finished job's lines; returns the final world size.
+pub fn check_counter(lines: &[Line], steps: u64) -> u64 {
+    let done: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l.v["event"] == "done")
+        .map(|l| &l.v)
+        .collect();
+    assert!(!done.is_empty(), "no worker finished");
+    let size = done[0]["size"].as_u64().expect("size");
+    assert_eq!(
+        done.len() as u64,
+        size,
+        "one done per rank of the final world: {done:?}"
+    );
+    let ranks: BTreeSet<u64> = done.iter().filter_map(|d| d["rank"].as_u64()).collect();
+    assert_eq!(ranks, (0..size).collect(), "every rank finished once");
+    for d in &done {
+        assert_eq!(d["steps"], steps);
+        assert_eq!(d["total"], d["history_sum"], "total == history_sum: {d}");
+        assert_eq!(d["total"], done[0]["total"], "ranks agree: {done:?}");
+        assert_eq!(d["size"], size);
+    }
+    // A step never runs at a size other than the world's: no more ranks print a
+    // (step, size) pair than the size, within one stretch between resets of a worker.
+    let mut per: BTreeMap<(u64, u64, u64), BTreeSet<u64>> = BTreeMap::new();
+    for l in lines.iter().filter(|l| l.v["event"] == "step") {
+        let (s, n, t) = (
+            l.v["step"].as_u64().unwrap_or(0),
+            l.v["size"].as_u64().unwrap_or(0),
+            l.v["total"].as_u64().unwrap_or(0),
+        );
+        assert!(
+            l.v["rank"].as_u64().unwrap_or(u64::MAX) < n,
+            "rank below size: {}",
+            l.v
+        );
+        per.entry((s, n, t))
+            .or_default()
+            .insert(l.v["rank"].as_u64().unwrap_or(0));
+    }
+    for ((s, n, _), ranks) in &per {
+        assert!(
+            ranks.len() as u64 <= *n,
+            "step {s} at size {n} ran on ranks {ranks:?}"
+        );
+    }
+    size
+}
+
+pub fn steps_rerun(lines: &[Line]) -> usize {
+    let mut seen = BTreeSet::new();
+    lines
+        .iter()
+        .filter(|l| l.v["event"] == "step")
+        .filter(|l| !seen.insert((l.worker, l.v["step"].as_u64())))
+        .count()
+}
+
+/// Asserts that `hvd_probe --lines N` printed each of its lines, on each of `ranks` ranks, with
+/// the rank prefixes `horovodrun` relays them with.
+pub fn assert_probe_lines(stdout: &str, stderr: &str, ranks: usize, lines: usize) {
+    for r in 0..ranks {
+        for i in 0..lines {
+            assert!(
+                stdout.contains(&format!("[{r}]<stdout>:out line {i} from rank {r}\n")),
+                "{stdout}"
+            );
+            assert!(
+                stderr.contains(&format!("[{r}]<stderr>:err line {i} from rank {r}\n")),
+                "{stderr}"
+            );
+        }
+    }
+}
