@@ -1,5 +1,5 @@
-//! The background engine: asynchronous, named allreduces, matched across ranks by name and
-//! fused into few large collectives.
+//! The background engine: asynchronous, named collectives, matched across ranks by name, with
+//! allreduces fused into few large ones.
 //!
 //! A training step hands over hundreds of gradients as they become ready, in whatever order
 //! its framework produces them; ranks may produce them in different orders. The engine's
@@ -7,14 +7,18 @@
 //!
 //! 1. it takes the ops submitted since the last cycle;
 //! 2. every rank tells every other which named ops it has pending (one small allgather);
-//! 3. the ops pending on every rank are run in the order rank 0 submitted them, consecutive ops
-//!    of one dtype and reduction packed into one fusion buffer of up to `fusion_bytes` and
-//!    reduced as one allreduce;
+//! 3. the ops pending on every rank are run in the order rank 0 submitted them, consecutive
+//!    allreduces of one dtype and reduction packed into one fusion buffer of up to
+//!    `fusion_bytes` and reduced as one (the other collectives run one by one);
 //! 4. an op pending on some ranks only for longer than `stall_timeout` fails on every rank
 //!    with a message naming the ranks that never submitted it (a stall, instead of a hang).
 //!
-//! An op whose ranks disagree on its type, reduction or length fails on every rank, naming
-//! both sides. A transport error fails every pending op and leaves the engine broken, as it
+//! An op seen before is announced by a 4-byte id from a response cache of `cache_capacity`
+//! entries instead of its name and shape; every rank's cache holds the same entries, because
+//! each is filled and evicted from the list of agreed ops, which is the same on every rank.
+//!
+//! An op whose ranks disagree on its collective, type, reduction, root or length fails on every
+//! rank, naming both sides; so does a collective's own argument check (an alltoall's splits). A transport error fails every pending op and leaves the engine broken, as it
 //! leaves the communicator; the owner builds a new engine on a new communicator.
 
 use std::any::Any;
@@ -39,6 +43,9 @@ pub struct EngineConfig {
     pub stall_timeout: Duration,
     /// Where to record every op's phases (`HOROVOD_TIMELINE`).
     pub timeline: Option<Arc<Timeline>>,
+    /// Ops whose announcement each rank remembers, announced after by a short id; 0 announces
+    /// every op in full (`HOROVOD_CACHE_CAPACITY`).
+    pub cache_capacity: usize,
 }
 
 impl Default for EngineConfig {
@@ -48,6 +55,7 @@ impl Default for EngineConfig {
             fusion_bytes: 128 << 20,
             stall_timeout: Duration::from_secs(60),
             timeline: None,
+            cache_capacity: 1024,
         }
     }
 }
@@ -59,6 +67,8 @@ trait Tensor: Send {
     fn bytes(&self) -> &[u8];
     fn bytes_mut(&mut self) -> &mut [u8];
     fn reduce(&mut self, comm: &mut Communicator, op: ReduceOp) -> Result<()>;
+    /// Runs `coll` alone; returns what the handle gets.
+    fn run(self: Box<Self>, comm: &mut Communicator, coll: &Coll) -> Result<Box<dyn Any + Send>>;
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
@@ -79,6 +89,25 @@ impl<T: Element> Tensor for Vec<T> {
     fn reduce(&mut self, comm: &mut Communicator, op: ReduceOp) -> Result<()> {
         comm.allreduce(self, op)
     }
+    fn run(
+        mut self: Box<Self>,
+        comm: &mut Communicator,
+        coll: &Coll,
+    ) -> Result<Box<dyn Any + Send>> {
+        Ok(match coll {
+            Coll::Allreduce(op) => {
+                comm.allreduce(&mut self, *op)?;
+                self
+            }
+            Coll::Reducescatter(op) => Box::new(comm.reducescatter(&self, *op)?),
+            Coll::Broadcast(root) => {
+                comm.broadcast(&mut self, *root)?;
+                self
+            }
+            Coll::Allgather(row_len) => Box::new(comm.allgather(&self, *row_len)?),
+            Coll::Alltoall(splits) => Box::new(comm.alltoall(&self, splits)?),
+        })
+    }
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
         self
     }
@@ -89,12 +118,85 @@ impl<T: Element> Tensor for Vec<T> {
 
 type Reply = mpsc::Sender<Result<Box<dyn Any + Send>>>;
 
+/// The collective an op runs, with its parameters.
+#[derive(Debug, Clone, PartialEq)]
+enum Coll {
+    Allreduce(ReduceOp),
+    Reducescatter(ReduceOp),
+    Broadcast(usize),
+    Allgather(usize),
+    Alltoall(Vec<usize>),
+}
+
+impl Coll {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Allreduce(_) => "allreduce",
+            Self::Reducescatter(_) => "reducescatter",
+            Self::Broadcast(_) => "broadcast",
+            Self::Allgather(_) => "allgather",
+            Self::Alltoall(_) => "alltoall",
+        }
+    }
+
+    /// (kind, parameter) as announced; ranks must agree on both.
+    fn tag(&self) -> (u8, u64) {
+        match self {
+            Self::Allreduce(op) => (0, *op as u64),
+            Self::Reducescatter(op) => (1, *op as u64),
+            Self::Broadcast(root) => (2, *root as u64),
+            Self::Allgather(row_len) => (3, *row_len as u64),
+            Self::Alltoall(_) => (4, 0),
+        }
+    }
+}
+
+fn kind_name(kind: u8) -> &'static str {
+    [
+        "allreduce",
+        "reducescatter",
+        "broadcast",
+        "allgather",
+        "alltoall",
+    ]
+    .get(usize::from(kind))
+    .copied()
+    .unwrap_or("?")
+}
+
 struct Request {
     name: String,
     submitted: Instant,
-    op: ReduceOp,
+    coll: Coll,
     tensor: Box<dyn Tensor>,
     reply: Reply,
+}
+
+impl Request {
+    /// The op's reduction when it is an allreduce (the only ops that fuse).
+    fn allreduce_op(&self) -> Option<ReduceOp> {
+        match self.coll {
+            Coll::Allreduce(op) => Some(op),
+            _ => None,
+        }
+    }
+
+    fn sig(&self) -> Sig {
+        let (kind, param) = self.coll.tag();
+        // Allgather and alltoall contributions differ in length from rank to rank.
+        let count = if kind >= 3 {
+            0
+        } else {
+            self.tensor.elems() as u64
+        };
+        Sig {
+            name: self.name.clone(),
+            dtype: self.tensor.dtype() as u8,
+            kind,
+            param,
+            count,
+        }
+    }
 }
 
 /// How a tensor travels between ranks (Horovod's `Compression`).
@@ -115,27 +217,38 @@ fn f16_to_f32(any: Box<dyn Any + Send>) -> Option<Box<dyn Any + Send>> {
 }
 
 /// The pending result of an asynchronous op.
+///
+/// `R` is what the op gives back: the tensor for most collectives, the tensor and the counts
+/// received from each rank for an alltoall.
 #[derive(Debug)]
-pub struct Handle<T> {
+pub struct Handle<T, R = Vec<T>> {
     rx: mpsc::Receiver<Result<Box<dyn Any + Send>>>,
     name: String,
-    done: Option<Result<Vec<T>>>,
-    /// Turns what the engine returns into `Vec<T>` (decompression).
+    done: Option<Result<R>>,
+    /// Turns what the engine returns into `R` (decompression).
     convert: Option<Convert>,
+    _elem: std::marker::PhantomData<fn() -> T>,
 }
 
-impl<T: Element> Handle<T> {
-    fn take(
-        &mut self,
-        msg: std::result::Result<Result<Box<dyn Any + Send>>, ()>,
-    ) -> Result<Vec<T>> {
+impl<T: Element, R: 'static> Handle<T, R> {
+    fn new(rx: mpsc::Receiver<Result<Box<dyn Any + Send>>>, name: &str) -> Self {
+        Self {
+            rx,
+            name: name.to_string(),
+            done: None,
+            convert: None,
+            _elem: std::marker::PhantomData,
+        }
+    }
+
+    fn take(&mut self, msg: std::result::Result<Result<Box<dyn Any + Send>>, ()>) -> Result<R> {
         match msg {
             Ok(Ok(any)) => {
                 let any = match self.convert {
                     Some(f) => f(any),
                     None => Some(any),
                 };
-                any.and_then(|a| a.downcast::<Vec<T>>().ok())
+                any.and_then(|a| a.downcast::<R>().ok())
                     .map(|b| *b)
                     .ok_or_else(|| CommError::Broken {
                         cause: format!("op '{}' came back with another element type", self.name),
@@ -168,12 +281,12 @@ impl<T: Element> Handle<T> {
         }
     }
 
-    /// Waits for the op and returns the reduced tensor.
+    /// Waits for the op and returns its result.
     ///
     /// # Errors
     /// The op's error: a mismatch or stall naming the ranks, a transport error, or the engine
     /// having stopped.
-    pub fn wait(mut self) -> Result<Vec<T>> {
+    pub fn wait(mut self) -> Result<R> {
         if let Some(r) = self.done.take() {
             return r;
         }
@@ -187,29 +300,24 @@ enum Command {
     Stop,
 }
 
-/// Submits an allreduce on the engine behind `tx`.
-fn submit<T: Element>(
+/// Submits `coll` of `tensor` on the engine behind `tx`.
+fn submit<T: Element, R: 'static>(
     tx: &mpsc::Sender<Command>,
     name: &str,
     tensor: Vec<T>,
-    op: ReduceOp,
-) -> Handle<T> {
+    coll: Coll,
+) -> Handle<T, R> {
     let (reply, rx) = mpsc::channel();
     let req = Request {
         name: name.to_string(),
         submitted: Instant::now(),
-        op,
+        coll,
         tensor: Box::new(tensor),
         reply,
     };
     // A stopped engine drops the request; the handle then reports it.
     let _ = tx.send(Command::Op(req));
-    Handle {
-        rx,
-        name: name.to_string(),
-        done: None,
-        convert: None,
-    }
+    Handle::new(rx, name)
 }
 
 /// Submits ops to an [`Engine`] without owning it.
@@ -219,14 +327,59 @@ pub struct Submitter {
 }
 
 impl Submitter {
-    /// As [`Engine::allreduce_async`].
+    /// Submits an allreduce of `tensor` named `name`; every rank must submit an op of that
+    /// name (in any order). Names must be unique among pending ops.
     pub fn allreduce_async<T: Element>(
         &self,
         name: &str,
         tensor: Vec<T>,
         op: ReduceOp,
     ) -> Handle<T> {
-        submit(&self.tx, name, tensor, op)
+        submit(&self.tx, name, tensor, Coll::Allreduce(op))
+    }
+
+    /// Submits a reducescatter: the handle gives this rank's block of the reduced tensor
+    /// (see [`Communicator::reducescatter`]).
+    pub fn reducescatter_async<T: Element>(
+        &self,
+        name: &str,
+        tensor: Vec<T>,
+        op: ReduceOp,
+    ) -> Handle<T> {
+        submit(&self.tx, name, tensor, Coll::Reducescatter(op))
+    }
+
+    /// Submits a broadcast of `tensor` from rank `root`; every rank passes a tensor of the
+    /// same length and gets the root's.
+    pub fn broadcast_async<T: Element>(
+        &self,
+        name: &str,
+        tensor: Vec<T>,
+        root: usize,
+    ) -> Handle<T> {
+        submit(&self.tx, name, tensor, Coll::Broadcast(root))
+    }
+
+    /// Submits an allgather of rows of `row_len` elements (see [`Communicator::allgather`]);
+    /// ranks may contribute different numbers of rows.
+    pub fn allgather_async<T: Element>(
+        &self,
+        name: &str,
+        tensor: Vec<T>,
+        row_len: usize,
+    ) -> Handle<T> {
+        submit(&self.tx, name, tensor, Coll::Allgather(row_len))
+    }
+
+    /// Submits an alltoall: `splits[p]` elements go to rank `p`; the handle gives what
+    /// arrived and how many elements came from each rank.
+    pub fn alltoall_async<T: Element>(
+        &self,
+        name: &str,
+        tensor: Vec<T>,
+        splits: Vec<usize>,
+    ) -> Handle<T, (Vec<T>, Vec<usize>)> {
+        submit(&self.tx, name, tensor, Coll::Alltoall(splits))
     }
 }
 
@@ -262,21 +415,18 @@ impl Engine {
     pub fn submitter(&self) -> Submitter {
         self.submitter.clone()
     }
+}
 
-    /// Submits an allreduce of `tensor` named `name`; every rank must submit an op of that
-    /// name (in any order). Names must be unique among pending ops.
-    pub fn allreduce_async<T: Element>(
-        &self,
-        name: &str,
-        tensor: Vec<T>,
-        op: ReduceOp,
-    ) -> Handle<T> {
-        self.submitter.allreduce_async(name, tensor, op)
+/// The engine takes ops as its [`Submitter`] does.
+impl std::ops::Deref for Engine {
+    type Target = Submitter;
+    fn deref(&self) -> &Submitter {
+        &self.submitter
     }
 }
 
-impl Engine {
-    /// [`Engine::allreduce_async`] of an f32 tensor sent as `compression` says; the result
+impl Submitter {
+    /// [`Submitter::allreduce_async`] of an f32 tensor sent as `compression` says; the result
     /// comes back as f32.
     pub fn allreduce_async_f32(
         &self,
@@ -291,16 +441,15 @@ impl Engine {
                 let halves: Vec<half::f16> =
                     tensor.iter().map(|&x| half::f16::from_f32(x)).collect();
                 let h = self.allreduce_async(name, halves, op);
-                Handle {
-                    rx: h.rx,
-                    name: h.name,
-                    done: None,
-                    convert: Some(f16_to_f32),
-                }
+                let mut out = Handle::new(h.rx, name);
+                out.convert = Some(f16_to_f32);
+                out
             }
         }
     }
+}
 
+impl Engine {
     /// Stops the engine once every rank stops (pending ops fail) and returns the communicator.
     pub fn stop(mut self) -> Option<Communicator> {
         let _ = self.submitter.tx.send(Command::Stop);
@@ -317,28 +466,75 @@ impl Drop for Engine {
     }
 }
 
+/// What ranks must agree on for an op to run: its name, element type, collective, that
+/// collective's parameter (reduction, root or row length) and its length (0 where ranks may
+/// differ: allgather, alltoall).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Sig {
+    name: String,
+    dtype: u8,
+    kind: u8,
+    param: u64,
+    count: u64,
+}
+
+impl Sig {
+    fn describe(&self) -> String {
+        let dtype = DType::from_tag(self.dtype).map_or("?", DType::name);
+        let param = match self.kind {
+            0 | 1 => format!("{:?}", ReduceOp::from_tag(self.param as u8)),
+            2 => format!("root {}", self.param),
+            3 => format!("rows of {}", self.param),
+            _ => String::new(),
+        };
+        format!(
+            "{} '{}' of {} {dtype} ({param})",
+            kind_name(self.kind),
+            self.name,
+            self.count
+        )
+    }
+}
+
+/// One pending op in an announcement: in full, or by its id in the response cache.
+#[derive(Debug, Clone, PartialEq)]
+enum Entry {
+    Full(Sig),
+    Cached(u32),
+}
+
 /// What one rank announces in a cycle.
 #[derive(Debug, Default, Clone, PartialEq)]
 struct Announce {
     stopping: bool,
     /// Rank 0's clock (milliseconds since its engine started); the stall clock of all ranks.
     clock_ms: u64,
-    /// (name, dtype, op, elements) of every pending op, in submission order.
-    ops: Vec<(String, u8, u8, u64)>,
+    /// Every pending op, in submission order.
+    ops: Vec<Entry>,
 }
 
 impl Announce {
     fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(16 + self.ops.len() * 32);
+        let mut b = Vec::with_capacity(16 + self.ops.len() * 8);
         b.push(u8::from(self.stopping));
         b.extend_from_slice(&self.clock_ms.to_le_bytes());
         b.extend_from_slice(&(self.ops.len() as u32).to_le_bytes());
-        for (name, dt, op, n) in &self.ops {
-            b.extend_from_slice(&(name.len() as u32).to_le_bytes());
-            b.extend_from_slice(name.as_bytes());
-            b.push(*dt);
-            b.push(*op);
-            b.extend_from_slice(&n.to_le_bytes());
+        for e in &self.ops {
+            match e {
+                Entry::Cached(id) => {
+                    b.push(1);
+                    b.extend_from_slice(&id.to_le_bytes());
+                }
+                Entry::Full(s) => {
+                    b.push(0);
+                    b.extend_from_slice(&(s.name.len() as u32).to_le_bytes());
+                    b.extend_from_slice(s.name.as_bytes());
+                    b.push(s.dtype);
+                    b.push(s.kind);
+                    b.extend_from_slice(&s.param.to_le_bytes());
+                    b.extend_from_slice(&s.count.to_le_bytes());
+                }
+            }
         }
         b
     }
@@ -351,17 +547,30 @@ impl Announce {
             at += n;
             Some(s)
         };
+        let u64_at = |s: &[u8]| -> Option<u64> { Some(u64::from_le_bytes(s.try_into().ok()?)) };
+        let u32_at = |s: &[u8]| -> Option<u32> { Some(u32::from_le_bytes(s.try_into().ok()?)) };
         let stopping = take(1)?[0] != 0;
-        let clock_ms = u64::from_le_bytes(take(8)?.try_into().ok()?);
-        let count = u32::from_le_bytes(take(4)?.try_into().ok()?) as usize;
+        let clock_ms = u64_at(take(8)?)?;
+        let count = u32_at(take(4)?)? as usize;
         let mut ops = Vec::with_capacity(count.min(1 << 16));
         for _ in 0..count {
-            let len = u32::from_le_bytes(take(4)?.try_into().ok()?) as usize;
+            if take(1)?[0] == 1 {
+                ops.push(Entry::Cached(u32_at(take(4)?)?));
+                continue;
+            }
+            let len = u32_at(take(4)?)? as usize;
             let name = String::from_utf8(take(len)?.to_vec()).ok()?;
-            let dt = take(1)?[0];
-            let op = take(1)?[0];
-            let n = u64::from_le_bytes(take(8)?.try_into().ok()?);
-            ops.push((name, dt, op, n));
+            let dtype = take(1)?[0];
+            let kind = take(1)?[0];
+            let param = u64_at(take(8)?)?;
+            let count = u64_at(take(8)?)?;
+            ops.push(Entry::Full(Sig {
+                name,
+                dtype,
+                kind,
+                param,
+                count,
+            }));
         }
         Some((
             Self {
@@ -371,6 +580,66 @@ impl Announce {
             },
             at,
         ))
+    }
+}
+
+/// The response cache: ops agreed before, by a short id. Every rank records the same agreed
+/// ops in the same order, so the ids mean the same everywhere; when full, the entry agreed
+/// least recently gives its id to the new one.
+#[derive(Debug, Default)]
+struct Cache {
+    capacity: usize,
+    ids: HashMap<Sig, u32>,
+    /// By id: the op and when it was last agreed.
+    slots: Vec<(Sig, u64)>,
+    clock: u64,
+}
+
+impl Cache {
+    fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.min(u32::MAX as usize),
+            ..Self::default()
+        }
+    }
+
+    fn entry(&self, sig: Sig) -> Entry {
+        match self.ids.get(&sig) {
+            Some(&id) => Entry::Cached(id),
+            None => Entry::Full(sig),
+        }
+    }
+
+    fn get(&self, id: u32) -> Option<&Sig> {
+        self.slots.get(id as usize).map(|(s, _)| s)
+    }
+
+    /// Notes that every rank agreed on `sig`.
+    fn record(&mut self, sig: &Sig) {
+        if self.capacity == 0 {
+            return;
+        }
+        self.clock += 1;
+        if let Some(&id) = self.ids.get(sig) {
+            self.slots[id as usize].1 = self.clock;
+            return;
+        }
+        let id = if self.slots.len() < self.capacity {
+            self.slots.push((sig.clone(), self.clock));
+            self.slots.len() - 1
+        } else {
+            // Ties cannot happen: every use gets its own tick.
+            let (victim, _) = self
+                .slots
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, (_, used))| *used)
+                .unwrap_or((0, &(sig.clone(), 0)));
+            let old = std::mem::replace(&mut self.slots[victim], (sig.clone(), self.clock));
+            self.ids.remove(&old.0);
+            victim
+        };
+        self.ids.insert(sig.clone(), id as u32);
     }
 }
 
@@ -384,21 +653,14 @@ struct Worker {
     first_seen: HashMap<String, u64>,
     stopping: bool,
     fusion: Vec<u64>,
-}
-
-fn tensor_desc(r: &Request) -> (String, u8, u8, u64) {
-    (
-        r.name.clone(),
-        r.tensor.dtype() as u8,
-        r.op as u8,
-        r.tensor.elems() as u64,
-    )
+    cache: Cache,
 }
 
 impl Worker {
     fn new(comm: Communicator, cfg: EngineConfig, rx: mpsc::Receiver<Command>) -> Self {
         Self {
             comm,
+            cache: Cache::new(cfg.cache_capacity),
             cfg,
             rx,
             pending: Vec::new(),
@@ -414,7 +676,7 @@ impl Worker {
             Command::Op(r) => {
                 if self.pending.iter().any(|p| p.name == r.name) {
                     let _ = r.reply.send(Err(CommError::InvalidArgument {
-                        op: "allreduce_async",
+                        op: "engine",
                         detail: format!("an op named '{}' is already pending", r.name),
                     }));
                 } else {
@@ -485,7 +747,11 @@ impl Worker {
         let mine = Announce {
             stopping: self.stopping,
             clock_ms: self.started.elapsed().as_millis() as u64,
-            ops: self.pending.iter().map(tensor_desc).collect(),
+            ops: self
+                .pending
+                .iter()
+                .map(|r| self.cache.entry(r.sig()))
+                .collect(),
         };
         let t_cycle = Instant::now();
         let gathered = self.gather(&mine)?;
@@ -503,44 +769,50 @@ impl Worker {
             return Ok(false);
         }
         let clock = gathered[0].clock_ms;
-        let sets: Vec<HashMap<&str, (u8, u8, u64)>> = gathered
+        // Every rank's pending ops in full, in its order.
+        let mut lists: Vec<Vec<Sig>> = Vec::with_capacity(n);
+        for (rank, a) in gathered.iter().enumerate() {
+            let mut list = Vec::with_capacity(a.ops.len());
+            for e in &a.ops {
+                list.push(match e {
+                    Entry::Full(sig) => sig.clone(),
+                    Entry::Cached(id) => self.cache.get(*id).cloned().ok_or_else(|| {
+                        self.comm.fail(CommError::Protocol {
+                            rank,
+                            detail: format!("announced op {id}, which is not in the cache"),
+                        })
+                    })?,
+                });
+            }
+            lists.push(list);
+        }
+        let sets: Vec<HashMap<&str, &Sig>> = lists
             .iter()
-            .map(|a| {
-                a.ops
-                    .iter()
-                    .map(|(nm, d, o, c)| (nm.as_str(), (*d, *o, *c)))
-                    .collect()
-            })
+            .map(|l| l.iter().map(|s| (s.name.as_str(), s)).collect())
             .collect();
         // Ready everywhere, in rank 0's order; the same list on every rank.
         let mut ready: Vec<String> = Vec::new();
         let mut failed: Vec<(String, CommError)> = Vec::new();
-        for (name, d, o, c) in &gathered[0].ops {
-            if !sets.iter().all(|s| s.contains_key(name.as_str())) {
+        for sig in &lists[0] {
+            let name = sig.name.as_str();
+            if !sets.iter().all(|s| s.contains_key(name)) {
                 continue;
             }
-            match (1..n).find(|&r| sets[r][name.as_str()] != (*d, *o, *c)) {
-                None => ready.push(name.clone()),
-                Some(r) => {
-                    let (d2, o2, c2) = sets[r][name.as_str()];
-                    let show = |d: u8, o: u8, c: u64| {
-                        format!(
-                            "allreduce '{name}' of {c} {} ({:?})",
-                            DType::from_tag(d).map_or("?", DType::name),
-                            ReduceOp::from_tag(o)
-                        )
-                    };
-                    failed.push((
-                        name.clone(),
-                        CommError::Mismatch {
-                            seq: 0,
-                            rank_a: 0,
-                            desc_a: show(*d, *o, *c),
-                            rank_b: r,
-                            desc_b: show(d2, o2, c2),
-                        },
-                    ));
+            match (1..n).find(|&r| sets[r][name] != sig) {
+                None => {
+                    self.cache.record(sig);
+                    ready.push(sig.name.clone());
                 }
+                Some(r) => failed.push((
+                    sig.name.clone(),
+                    CommError::Mismatch {
+                        seq: 0,
+                        rank_a: 0,
+                        desc_a: sig.describe(),
+                        rank_b: r,
+                        desc_b: sets[r][name].describe(),
+                    },
+                )),
             }
         }
         // Stalls: pending somewhere, not everywhere, for too long (on rank 0's clock).
@@ -567,7 +839,7 @@ impl Worker {
             failed.push((
                 name.to_string(),
                 CommError::InvalidArgument {
-                    op: "allreduce_async",
+                    op: "engine",
                     detail: format!(
                         "op '{name}' was submitted by ranks {have:?} but not by ranks {missing:?} \
                          within {:?} (stalled)",
@@ -586,7 +858,8 @@ impl Worker {
         if let Some(t) = &self.cfg.timeline {
             let now = Instant::now();
             for r in self.pending.iter().filter(|r| ready.contains(&r.name)) {
-                t.span(&r.name, "NEGOTIATE_ALLREDUCE", r.submitted, now, "");
+                let phase = format!("NEGOTIATE_{}", r.coll.name().to_uppercase());
+                t.span(&r.name, &phase, r.submitted, now, "");
             }
         }
         self.run_ready(&ready)?;
@@ -612,7 +885,7 @@ impl Worker {
         Ok(out)
     }
 
-    /// Runs the agreed ops in order, fusing runs of one dtype and reduction.
+    /// Runs the agreed ops in order, fusing runs of allreduces of one dtype and reduction.
     fn run_ready(&mut self, ready: &[String]) -> Result<()> {
         let mut batch: Vec<Request> = Vec::new();
         for name in ready {
@@ -620,9 +893,16 @@ impl Worker {
                 continue;
             };
             let r = self.pending.remove(i);
+            let Some(op) = r.allreduce_op() else {
+                if !batch.is_empty() {
+                    self.reduce_batch(std::mem::take(&mut batch))?;
+                }
+                self.run_alone(r)?;
+                continue;
+            };
             let fits = batch.first().is_none_or(|b| {
                 b.tensor.dtype() == r.tensor.dtype()
-                    && b.op == r.op
+                    && b.allreduce_op() == Some(op)
                     && batch.iter().map(|x| x.tensor.bytes().len()).sum::<usize>()
                         + r.tensor.bytes().len()
                         <= self.cfg.fusion_bytes
@@ -638,6 +918,39 @@ impl Worker {
         Ok(())
     }
 
+    /// Runs one op that does not fuse. An error of its arguments (which every rank reports,
+    /// as the collective checks them together) fails the op alone; a transport error fails the
+    /// engine.
+    fn run_alone(&mut self, r: Request) -> Result<()> {
+        let start = Instant::now();
+        let (name, coll, reply) = (r.name, r.coll, r.reply);
+        match r.tensor.run(&mut self.comm, &coll) {
+            Ok(out) => {
+                if let Some(t) = &self.cfg.timeline {
+                    t.span(
+                        &name,
+                        &coll.name().to_uppercase(),
+                        start,
+                        Instant::now(),
+                        "",
+                    );
+                }
+                let _ = reply.send(Ok(out));
+                Ok(())
+            }
+            Err(e) if !e.is_fatal() => {
+                let _ = reply.send(Err(e));
+                Ok(())
+            }
+            Err(e) => {
+                let _ = reply.send(Err(CommError::Broken {
+                    cause: e.to_string(),
+                }));
+                Err(e)
+            }
+        }
+    }
+
     /// Records one phase of every op of a batch on the timeline.
     fn trace(&self, batch: &[Request], phase: &str, start: Instant) {
         if let Some(t) = &self.cfg.timeline {
@@ -650,7 +963,7 @@ impl Worker {
     }
 
     fn reduce_batch(&mut self, mut batch: Vec<Request>) -> Result<()> {
-        let op = batch[0].op;
+        let op = batch[0].allreduce_op().unwrap_or(ReduceOp::Sum);
         let start = Instant::now();
         if batch.len() == 1 {
             batch[0].tensor.reduce(&mut self.comm, op)?;
@@ -757,16 +1070,59 @@ fn reduce_bytes(
 mod tests {
     use super::*;
 
+    fn sig(name: &str, count: u64) -> Sig {
+        Sig {
+            name: name.into(),
+            dtype: 6,
+            kind: 0,
+            param: 1,
+            count,
+        }
+    }
+
     #[test]
     fn announcements_round_trip() {
         let a = Announce {
             stopping: true,
             clock_ms: 42,
-            ops: vec![("grad/0".into(), 6, 1, 1000), ("é".into(), 1, 3, 0)],
+            ops: vec![
+                Entry::Full(sig("grad/0", 1000)),
+                Entry::Cached(7),
+                Entry::Full(sig("é", 0)),
+            ],
         };
         let b = a.encode();
         assert_eq!(Announce::decode(&b), Some((a.clone(), b.len())));
         assert_eq!(Announce::decode(&a.encode()[..5]), None);
+        // A cached op costs 5 bytes instead of 44 (its name and shape).
+        let cached = Announce {
+            ops: vec![Entry::Cached(3)],
+            ..Announce::default()
+        };
+        let full = Announce {
+            ops: vec![Entry::Full(sig("layer4.2.conv3.weight", 1000))],
+            ..Announce::default()
+        };
+        assert_eq!(cached.encode().len() + 39, full.encode().len());
+    }
+
+    #[test]
+    fn the_cache_evicts_the_op_agreed_least_recently() {
+        let mut c = Cache::new(2);
+        c.record(&sig("a", 1));
+        c.record(&sig("b", 1));
+        c.record(&sig("a", 1)); // a is now newer than b
+        c.record(&sig("c", 1)); // evicts b, takes its id
+        assert_eq!(c.entry(sig("a", 1)), Entry::Cached(0));
+        assert_eq!(c.entry(sig("c", 1)), Entry::Cached(1));
+        assert_eq!(c.entry(sig("b", 1)), Entry::Full(sig("b", 1)));
+        // Another shape of a known name is another op.
+        assert_eq!(c.entry(sig("a", 2)), Entry::Full(sig("a", 2)));
+        assert_eq!(c.get(1), Some(&sig("c", 1)));
+        assert_eq!(c.get(2), None);
+        let mut off = Cache::new(0);
+        off.record(&sig("a", 1));
+        assert_eq!(off.entry(sig("a", 1)), Entry::Full(sig("a", 1)));
     }
 
     #[test]

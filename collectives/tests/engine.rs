@@ -186,3 +186,139 @@ fn fp16_compression_halves_the_wire_and_keeps_three_digits() {
         }
     }
 }
+
+/// Every collective, submitted asynchronously in a different order on every rank.
+#[test]
+fn every_collective_runs_async_in_any_order() {
+    let out = world(3, |comm| {
+        let r = comm.rank();
+        let e = engine(comm, EngineConfig::default());
+        let mut order: Vec<usize> = (0..5).collect();
+        order.rotate_left(r * 2);
+        let (mut ar, mut rs, mut bc, mut ag, mut a2a) = (None, None, None, None, None);
+        for k in order {
+            match k {
+                0 => ar = Some(e.allreduce_async("ar", vec![r as f32 + 1.0; 10], ReduceOp::Max)),
+                1 => rs = Some(e.reducescatter_async("rs", vec![r as i32; 7], ReduceOp::Sum)),
+                2 => bc = Some(e.broadcast_async("bc", vec![r as u8; 5], 1)),
+                3 => ag = Some(e.allgather_async("ag", vec![r as i64; 2 * (r + 1)], 2)),
+                _ => {
+                    // Rank r sends p + 1 copies of its rank to rank p.
+                    let splits: Vec<usize> = (1..=3).collect();
+                    let send: Vec<f64> = splits.iter().flat_map(|&k| vec![r as f64; k]).collect();
+                    a2a = Some(e.alltoall_async("a2a", send, splits));
+                }
+            }
+        }
+        let (recv, counts) = a2a.unwrap().wait().unwrap();
+        (
+            ar.unwrap().wait().unwrap(),
+            rs.unwrap().wait().unwrap(),
+            bc.unwrap().wait().unwrap(),
+            ag.unwrap().wait().unwrap(),
+            recv,
+            counts,
+        )
+    });
+    for (r, (ar, rs, bc, ag, recv, counts)) in out.into_iter().enumerate() {
+        assert_eq!(ar, vec![3.0; 10]);
+        assert_eq!(rs, vec![3; if r == 0 { 3 } else { 2 }]);
+        assert_eq!(bc, vec![1; 5]);
+        assert_eq!(ag, vec![0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]);
+        assert_eq!(counts, vec![r + 1; 3]);
+        let want: Vec<f64> = (0..3).flat_map(|s| vec![s as f64; r + 1]).collect();
+        assert_eq!(recv, want);
+    }
+}
+
+/// Steps of the same named ops, with caches too small for them (entries evicted every step),
+/// off, and large; a length that changes between steps is a new op, and a rank announcing a
+/// cached name with another shape is a mismatch named on every rank.
+#[test]
+fn the_response_cache_keeps_every_step_right() {
+    for cache_capacity in [0, 3, 1024] {
+        let out = world(3, |comm| {
+            let r = comm.rank();
+            let e = engine(
+                comm,
+                EngineConfig {
+                    cache_capacity,
+                    ..EngineConfig::default()
+                },
+            );
+            for step in 0..6usize {
+                let mut hs = Vec::new();
+                let mut order: Vec<usize> = (0..8).collect();
+                order.rotate_left((r + step) % 8);
+                for k in order {
+                    let len = if step >= 3 && k == 2 { 11 } else { 3 + k };
+                    let h = e.allreduce_async(
+                        &format!("g{k}"),
+                        vec![(r + k + step) as f32; len],
+                        ReduceOp::Sum,
+                    );
+                    hs.push((k, len, h));
+                }
+                for (k, len, h) in hs {
+                    let want = (0..3).map(|q| (q + k + step) as f32).sum::<f32>();
+                    assert_eq!(
+                        h.wait().unwrap(),
+                        vec![want; len],
+                        "cache {cache_capacity} step {step} g{k}"
+                    );
+                }
+            }
+            let len = if r == 1 { 4 } else { 3 };
+            let err = e
+                .allreduce_async("g0", vec![1.0f32; len], ReduceOp::Sum)
+                .wait()
+                .unwrap_err();
+            let after = e
+                .allreduce_async("g0", vec![1.0f32; 3], ReduceOp::Sum)
+                .wait()
+                .unwrap();
+            (err.to_string(), after)
+        });
+        for (err, after) in out {
+            assert!(
+                err.contains("'g0' of 3 f32") && err.contains("'g0' of 4 f32"),
+                "{err}"
+            );
+            assert_eq!(after, vec![3.0; 3]);
+        }
+    }
+}
+
+/// A collective's own argument check fails that op on every rank; the engine goes on. Ranks
+/// disagreeing on which collective a name is fail it naming both.
+#[test]
+fn a_bad_op_fails_alone() {
+    let out = world(3, |comm| {
+        let r = comm.rank();
+        let e = engine(comm, EngineConfig::default());
+        // Rank 2's splits ask for more than it has.
+        let splits = if r == 2 { vec![5, 5, 5] } else { vec![1, 1, 1] };
+        let bad = e.alltoall_async("a2a", vec![1u8; 3], splits).wait();
+        let which = if r == 1 {
+            e.broadcast_async("x", vec![1.0f32; 4], 0).wait()
+        } else {
+            e.allreduce_async("x", vec![1.0f32; 4], ReduceOp::Sum)
+                .wait()
+        };
+        let good = e.allgather_async("ok", vec![r as u8], 1).wait().unwrap();
+        (
+            bad.unwrap_err().to_string(),
+            which.unwrap_err().to_string(),
+            good,
+        )
+    });
+    for (r, (bad, which, good)) in out.into_iter().enumerate() {
+        let names = if r == 2 { "splits sum to 15" } else { "rank 2" };
+        assert!(bad.contains(names), "rank {r}: {bad}");
+        assert!(
+            which.contains("allreduce 'x'") && which.contains("broadcast 'x'"),
+            "{which}"
+        );
+        assert_eq!(good, vec![0, 1, 2]);
+    }
+}

@@ -50,8 +50,8 @@ pub enum Error {
         /// The newest announced update.
         update_id: u64,
     },
-    /// A synchronous collective was called while the background engine holds the
-    /// communicator ([`crate::start_engine`]); give it back with [`crate::stop_engine`].
+    /// The communicator itself (or a process set's) was asked for while the background engine
+    /// holds it ([`crate::start_engine`]); give it back with [`crate::stop_engine`].
     #[error(
         "the background engine holds the communicator: use its async ops, or hvd::stop_engine first"
     )]

@@ -356,7 +356,8 @@ pub fn is_homogeneous() -> Result<bool> {
 }
 
 /// The engine settings from the launcher's environment (`HOROVOD_CYCLE_TIME` in ms,
-/// `HOROVOD_FUSION_THRESHOLD` in bytes, `HOROVOD_STALL_CHECK_TIME_SECONDS`), defaults otherwise.
+/// `HOROVOD_FUSION_THRESHOLD` in bytes, `HOROVOD_STALL_CHECK_TIME_SECONDS`,
+/// `HOROVOD_CACHE_CAPACITY`), defaults otherwise.
 ///
 /// # Errors
 /// [`Error::Env`] naming a variable that is not a non-negative number.
@@ -391,13 +392,20 @@ pub fn engine_config_from(env: &dyn Env) -> Result<EngineConfig> {
     if let Some(s) = number(hvd_rendezvous::ENV_STALL_CHECK_TIME)? {
         cfg.stall_timeout = Duration::from_secs_f64(s);
     }
+    if let Some(v) = env.var(hvd_rendezvous::ENV_CACHE_CAPACITY) {
+        cfg.cache_capacity = v.trim().parse().map_err(|_| Error::Env {
+            var: hvd_rendezvous::ENV_CACHE_CAPACITY,
+            detail: format!("'{v}' is not a non-negative integer"),
+        })?;
+    }
     Ok(cfg)
 }
 
-/// Hands the communicator to a background [`Engine`]: named, asynchronous allreduces
-/// ([`Engine::allreduce_async`]) matched across ranks by name and fused. Meanwhile
-/// [`allreduce`] goes through the engine (so elastic commits keep working) and the other
-/// synchronous collectives fail with [`Error::EngineActive`] until [`stop_engine`].
+/// Hands the communicator to a background [`Engine`]: named, asynchronous collectives
+/// ([`hvd_collectives::Submitter::allreduce_async`] and the others) matched across ranks by
+/// name, allreduces fused. Meanwhile the synchronous collectives below are thin wrappers
+/// that submit an op under a generated name and wait for it, so elastic commits keep working;
+/// only [`with_communicator`] fails with [`Error::EngineActive`] until [`stop_engine`].
 ///
 /// # Errors
 /// [`Error::NotInitialized`], [`Error::EngineActive`] or [`Error::MembershipChanging`] when
@@ -453,21 +461,24 @@ pub fn with_communicator<R>(
     Ok(f(comm)?)
 }
 
+/// The running engine's submitter and a fresh name for one synchronous call, if an engine
+/// holds the communicator. Every rank makes the same synchronous calls in the same order, so
+/// the names match.
+fn through_engine() -> Result<Option<(Submitter, String)>> {
+    let mut ctx = context();
+    let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
+    Ok(c.submitter.clone().map(|s| {
+        c.sync_seq += 1;
+        (s, format!("hvd.sync.{}", c.sync_seq))
+    }))
+}
+
 /// Reduces `buf` across all ranks in place. See [`Communicator::allreduce`].
 ///
 /// # Errors
 /// [`Error::NotInitialized`]; [`Error::Comm`] on a mismatch or a peer failure.
 pub fn allreduce<T: Element>(buf: &mut [T], op: ReduceOp) -> Result<()> {
-    let through = {
-        let mut ctx = context();
-        let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
-        c.submitter.clone().map(|s| {
-            c.sync_seq += 1;
-            (s, format!("hvd.sync.{}", c.sync_seq))
-        })
-    };
-    if let Some((s, name)) = through {
-        // The engine holds the communicator: a named op, waited for (one engine cycle).
+    if let Some((s, name)) = through_engine()? {
         let v = s.allreduce_async(&name, buf.to_vec(), op).wait()?;
         buf.copy_from_slice(&v);
         return Ok(());
@@ -480,6 +491,18 @@ pub fn allreduce<T: Element>(buf: &mut [T], op: ReduceOp) -> Result<()> {
 /// # Errors
 /// As [`allreduce`].
 pub fn grouped_allreduce<T: Element>(bufs: &mut [&mut [T]], op: ReduceOp) -> Result<()> {
+    if let Some((s, name)) = through_engine()? {
+        // Submitted together, they are agreed in one cycle and fused.
+        let handles: Vec<_> = bufs
+            .iter()
+            .enumerate()
+            .map(|(k, b)| s.allreduce_async(&format!("{name}.{k}"), b.to_vec(), op))
+            .collect();
+        for (b, h) in bufs.iter_mut().zip(handles) {
+            b.copy_from_slice(&h.wait()?);
+        }
+        return Ok(());
+    }
     with_communicator(|c| c.grouped_allreduce(bufs, op))
 }
 
@@ -488,6 +511,9 @@ pub fn grouped_allreduce<T: Element>(bufs: &mut [&mut [T]], op: ReduceOp) -> Res
 /// # Errors
 /// As [`allreduce`].
 pub fn allgather<T: Element>(input: &[T], row_len: usize) -> Result<Vec<T>> {
+    if let Some((s, name)) = through_engine()? {
+        return Ok(s.allgather_async(&name, input.to_vec(), row_len).wait()?);
+    }
     with_communicator(|c| c.allgather(input, row_len))
 }
 
@@ -496,6 +522,11 @@ pub fn allgather<T: Element>(input: &[T], row_len: usize) -> Result<Vec<T>> {
 /// # Errors
 /// As [`allreduce`].
 pub fn broadcast<T: Element>(buf: &mut [T], root: usize) -> Result<()> {
+    if let Some((s, name)) = through_engine()? {
+        let v = s.broadcast_async(&name, buf.to_vec(), root).wait()?;
+        buf.copy_from_slice(&v);
+        return Ok(());
+    }
     with_communicator(|c| c.broadcast(buf, root))
 }
 
@@ -504,6 +535,11 @@ pub fn broadcast<T: Element>(buf: &mut [T], root: usize) -> Result<()> {
 /// # Errors
 /// As [`allreduce`].
 pub fn alltoall<T: Element>(input: &[T], splits: &[usize]) -> Result<(Vec<T>, Vec<usize>)> {
+    if let Some((s, name)) = through_engine()? {
+        return Ok(s
+            .alltoall_async(&name, input.to_vec(), splits.to_vec())
+            .wait()?);
+    }
     with_communicator(|c| c.alltoall(input, splits))
 }
 
@@ -512,6 +548,9 @@ pub fn alltoall<T: Element>(input: &[T], splits: &[usize]) -> Result<(Vec<T>, Ve
 /// # Errors
 /// As [`allreduce`].
 pub fn reducescatter<T: Element>(input: &[T], op: ReduceOp) -> Result<Vec<T>> {
+    if let Some((s, name)) = through_engine()? {
+        return Ok(s.reducescatter_async(&name, input.to_vec(), op).wait()?);
+    }
     with_communicator(|c| c.reducescatter(input, op))
 }
 
@@ -520,5 +559,9 @@ pub fn reducescatter<T: Element>(input: &[T], op: ReduceOp) -> Result<Vec<T>> {
 /// # Errors
 /// As [`allreduce`].
 pub fn barrier() -> Result<()> {
+    if let Some((s, name)) = through_engine()? {
+        s.allreduce_async(&name, vec![0u8], ReduceOp::Max).wait()?;
+        return Ok(());
+    }
     with_communicator(Communicator::barrier)
 }

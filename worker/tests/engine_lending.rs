@@ -5,14 +5,31 @@
 use hvd::{EngineConfig, Error, ReduceOp};
 
 #[test]
-fn synchronous_calls_fail_clearly_while_the_engine_holds_the_communicator() {
+fn synchronous_calls_go_through_the_engine_while_it_holds_the_communicator() {
     hvd::init().unwrap();
     let engine = hvd::start_engine(EngineConfig::default()).unwrap();
-    // allreduce goes through the engine (what elastic commits need); the others refuse.
+    // Every synchronous collective is a named op on the engine, waited for.
     let mut y = [5.0f32];
     hvd::allreduce(&mut y, ReduceOp::Sum).unwrap();
     assert_eq!(y, [5.0]);
-    let err = hvd::broadcast(&mut [1.0f32], 0).unwrap_err();
+    let mut b = [1.0f32, 2.0];
+    hvd::broadcast(&mut b, 0).unwrap();
+    assert_eq!(b, [1.0, 2.0]);
+    assert_eq!(hvd::allgather(&[7u8, 8], 2).unwrap(), vec![7, 8]);
+    assert_eq!(
+        hvd::reducescatter(&[3i64; 4], ReduceOp::Sum).unwrap(),
+        vec![3; 4]
+    );
+    assert_eq!(
+        hvd::alltoall(&[1i32, 2], &[2]).unwrap(),
+        (vec![1, 2], vec![2])
+    );
+    let (mut g1, mut g2) = ([1.0f64; 3], [2.0f64; 2]);
+    hvd::grouped_allreduce(&mut [&mut g1[..], &mut g2[..]], ReduceOp::Sum).unwrap();
+    assert_eq!((g1, g2), ([1.0; 3], [2.0; 2]));
+    hvd::barrier().unwrap();
+    // Only direct use of the communicator is refused.
+    let err = hvd::with_communicator(|c| c.barrier()).unwrap_err();
     assert!(matches!(err, Error::EngineActive), "{err}");
     assert!(err.to_string().contains("hvd::stop_engine"), "{err}");
     assert!(matches!(
@@ -39,6 +56,7 @@ fn engine_settings_come_from_horovod_s_variables() {
         ("HOROVOD_CYCLE_TIME", "2.5"),
         ("HOROVOD_FUSION_THRESHOLD", "0"),
         ("HOROVOD_STALL_CHECK_TIME_SECONDS", "7"),
+        ("HOROVOD_CACHE_CAPACITY", "16"),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -47,6 +65,14 @@ fn engine_settings_come_from_horovod_s_variables() {
     assert_eq!(cfg.cycle, Duration::from_micros(2500));
     assert_eq!(cfg.fusion_bytes, 0);
     assert_eq!(cfg.stall_timeout, Duration::from_secs(7));
+    assert_eq!(cfg.cache_capacity, 16);
+    let bad: HashMap<String, String> =
+        [("HOROVOD_CACHE_CAPACITY".to_string(), "1.5".to_string())].into();
+    let e = hvd::engine_config_from(&bad).unwrap_err().to_string();
+    assert!(
+        e.contains("HOROVOD_CACHE_CAPACITY") && e.contains("1.5"),
+        "{e}"
+    );
     let bad: HashMap<String, String> =
         [("HOROVOD_CYCLE_TIME".to_string(), "-1".to_string())].into();
     let e = hvd::engine_config_from(&bad).unwrap_err().to_string();
