@@ -311,25 +311,31 @@ async fn execute(
 }
 
 /// Deletes the job's pods at once (the rest goes with the job through owner references).
+///
+/// One delete per pod rather than a delete-collection, so the operator needs no
+/// `deletecollection` right.
 async fn cleanup(job: Arc<ElasticJob>, ctx: Arc<Context>) -> Result<Requeue, Error> {
     let names = Names::of(&job)?;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &names.namespace);
-    pods.delete_collection(
-        &DeleteParams::background(),
-        &ListParams::default().labels(&names.job_selector()),
-    )
-    .await?;
-    info!(job = %names.job, "job deleted; its pods are being removed");
-    let note = format!("deleting the pods of job {}", names.job);
-    publish(
-        &ctx,
-        &job,
-        EventType::Normal,
-        ("Cleanup", "Delete"),
-        note,
-        None,
-    )
-    .await;
+    let listed = pods
+        .list(&ListParams::default().labels(&names.job_selector()))
+        .await?
+        .items;
+    for pod in listed
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+    {
+        let name = pod.name_any();
+        match pods.delete(&name, &DeleteParams::background()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    info!(job = %names.job, pods = listed.len(), "job deleted; its pods are being removed");
+    let note = format!("deleting the {} pods of job {}", listed.len(), names.job);
+    let reason = ("Cleanup", "Delete");
+    publish(&ctx, &job, EventType::Normal, reason, note, None).await;
     Ok(Requeue::await_change())
 }
 
