@@ -3,6 +3,8 @@
 //! `hvd-operator [--namespace NS] [--leader-elect --lease-name NAME --lease-namespace NS]`;
 //! `RUST_LOG` sets the log level. SIGTERM or SIGINT stops it gracefully.
 
+use std::process::ExitCode;
+
 use anyhow::Context as _;
 use clap::Parser;
 use hvd_operator::leader::{Leadership, while_leader};
@@ -57,15 +59,60 @@ async fn terminated() {
     }
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+/// Exit code for a usage error (sysexits EX_USAGE).
+const EX_USAGE: u8 = 64;
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let usage = e.use_stderr();
+            let _ = e.print();
+            return if usage {
+                ExitCode::from(EX_USAGE)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    if let Some(bad) = [
+        ("--namespace", cli.namespace.as_deref()),
+        ("--lease-name", Some(cli.lease_name.as_str())),
+        ("--lease-namespace", Some(cli.lease_namespace.as_str())),
+    ]
+    .into_iter()
+    .find(|(_, v)| v.is_some_and(|v| v.trim().is_empty()))
+    {
+        eprintln!("hvd-operator: {} must not be empty", bad.0);
+        return ExitCode::from(EX_USAGE);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("hvd-operator: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(operate(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "hvd-operator failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs the controller, under leader election when asked, until SIGTERM or SIGINT.
+async fn operate(cli: Cli) -> anyhow::Result<()> {
     let client = Client::try_default()
         .await
         .context("cannot reach the Kubernetes API (no in-cluster config or kubeconfig)")?;
