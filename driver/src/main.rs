@@ -6,6 +6,7 @@ mod elastic;
 mod hosts;
 mod job;
 mod rendezvous;
+mod status;
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitCode;
@@ -191,6 +192,7 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
         start_timeout,
         extra_env: timeline_env(args)?,
         launch: launch_mode(args, std::env::var(hvd_agent::ENV_AGENT_SECRET).ok())?,
+        status_port: args.status_port,
     })
 }
 
@@ -305,6 +307,12 @@ fn init_tracing(verbose: bool) {
 
 /// Turns the flags into a job: hosts, slots, ranks. Everything is checked before anything starts.
 fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
+    if args.status_port.is_some() {
+        bail!(
+            "--status-port serves an elastic job's state; turn elastic mode on with --min-np, \
+             --host-discovery-script or --discovery"
+        );
+    }
     let hosts: Vec<HostSpec> = match (&args.hosts, &args.hostfile) {
         (Some(list), _) => parse_host_list(list)?,
         (None, Some(path)) => {

@@ -368,3 +368,92 @@ fn the_background_engine_survives_a_reset() {
     assert_eq!(done.len(), 2, "{done:?}");
     assert_eq!(done[0]["steps"], done[1]["steps"], "{done:?}");
 }
+
+/// `GET path` on `port` of this machine; returns the status code and the body.
+fn http_get(port: u16, method: &str, path: &str) -> (u16, String) {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").expect("request");
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).expect("response");
+    let (head, body) = resp.split_once("\r\n\r\n").expect("a head");
+    let code = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("a status code");
+    (code, body.to_string())
+}
+
+#[test]
+fn the_status_endpoint_reports_rounds_workers_and_blacklisted_hosts() {
+    let mut job = Job::start(
+        "status",
+        HOSTS2,
+        &[
+            "-np",
+            "4",
+            "--min-np",
+            "2",
+            "--status-port",
+            "0",
+            "--blacklist-cooldown-range",
+            "100",
+            "200",
+        ],
+        COUNTER,
+    );
+    let line = job.wait_stderr("status endpoint listening");
+    let port: u16 = line
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.split_whitespace().next()?.parse().ok())
+        .expect("the port in the log line");
+    job.wait_step(20, 4);
+    let (code, body) = http_get(port, "GET", "/status");
+    assert_eq!(code, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(
+        v,
+        serde_json::json!({
+            "phase": "Running", "generation": 1, "workers": 4,
+            "hosts": [{"host": "127.0.0.2", "slots": 2}, {"host": "127.0.0.3", "slots": 2}],
+            "blacklisted": [], "resets": 0
+        })
+    );
+    signal(job.pids_on("127.0.0.3")[0], Signal::SIGKILL);
+    job.wait_step(1, 2);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64;
+    let v: Value = serde_json::from_str(&http_get(port, "GET", "/status").1).expect("JSON");
+    assert_eq!(v["phase"], "Running", "{v}");
+    assert_eq!(
+        (
+            v["generation"].as_u64(),
+            v["workers"].as_u64(),
+            v["resets"].as_u64()
+        ),
+        (Some(2), Some(2), Some(1)),
+        "{v}"
+    );
+    assert_eq!(
+        v["hosts"],
+        serde_json::json!([{"host": "127.0.0.2", "slots": 2}])
+    );
+    assert_eq!(v["blacklisted"][0]["host"], "127.0.0.3", "{v}");
+    let until = v["blacklisted"][0]["until_ms"]
+        .as_u64()
+        .expect("a cooldown end");
+    assert!(
+        until > now_ms + 90_000 && until < now_ms + 310_000,
+        "{until} vs {now_ms}"
+    );
+    assert_eq!(http_get(port, "GET", "/nope").0, 404);
+    assert_eq!(http_get(port, "DELETE", "/status").0, 405);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+}

@@ -132,6 +132,38 @@ pub enum Action {
     },
 }
 
+/// Where the job stands, as the status endpoint reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobPhase {
+    /// No round has completed yet.
+    Pending,
+    /// The workers of the last round are training.
+    Running,
+    /// A new round is being formed (after a failure or a host change).
+    Rescaling,
+    /// Every worker of the last round finished training and exited 0.
+    Succeeded,
+    /// The job failed.
+    Failed,
+}
+
+/// A read-only view of the job for the status endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Where the job stands.
+    pub phase: JobPhase,
+    /// The last completed round (0: none yet).
+    pub generation: u64,
+    /// Live (or finished) workers of the last round.
+    pub workers: usize,
+    /// The last round's hosts and how many of its workers each holds, in rank order.
+    pub hosts: Vec<(String, usize)>,
+    /// Hosts kept out now, by name, and when their cooldown ends (`None`: for good).
+    pub blacklisted: Vec<(String, Option<Duration>)>,
+    /// Resets so far (rounds after the first).
+    pub resets: u64,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     /// Spawned; no rendezvous connection yet.
@@ -191,6 +223,10 @@ pub struct Core {
     /// Hosts as of the last announcement, to name what was added and removed.
     announced_hosts: BTreeSet<String>,
     finished: bool,
+    /// The exit code the job finished with.
+    outcome: Option<u8>,
+    /// When each blacklisted host's cooldown ends (`None`: for good), as of its last failure.
+    cooldown_ends: HashMap<String, Option<Duration>>,
     /// Live workers by slot `(host, local_rank)`.
     live_at: HashMap<(String, usize), WorkerId>,
     /// The reason of the last failed discovery poll, while polls keep failing.
@@ -226,6 +262,8 @@ impl Core {
             next_update: 1,
             announced_hosts: BTreeSet::new(),
             finished: false,
+            outcome: None,
+            cooldown_ends: HashMap::new(),
             live_at: HashMap::new(),
             discovery_error: None,
         }
@@ -250,6 +288,45 @@ impl Core {
             .filter(|(_, w)| w.live())
             .map(|(id, _)| *id)
             .collect()
+    }
+
+    /// Where the job stands at `now`, for the status endpoint.
+    pub fn snapshot(&self, now: Duration) -> Snapshot {
+        let phase = match (self.outcome, self.generation, self.pending) {
+            (Some(0), _, _) => JobPhase::Succeeded,
+            (Some(_), _, _) => JobPhase::Failed,
+            (None, 0, _) => JobPhase::Pending,
+            (None, _, true) => JobPhase::Rescaling,
+            (None, _, false) => JobPhase::Running,
+        };
+        let mut hosts: Vec<(String, usize)> = Vec::new();
+        let members = self
+            .current
+            .iter()
+            .filter_map(|m| self.workers.get(m))
+            .filter(|w| w.live() || w.phase == Phase::Finished);
+        let mut workers = 0;
+        for w in members {
+            workers += 1;
+            match hosts.iter_mut().find(|(h, _)| *h == w.host) {
+                Some((_, n)) => *n += 1,
+                None => hosts.push((w.host.clone(), 1)),
+            }
+        }
+        let blacklisted = self
+            .blacklist
+            .blacklisted(now)
+            .into_iter()
+            .map(|h| (h.to_string(), self.cooldown_ends.get(h).copied().flatten()))
+            .collect();
+        Snapshot {
+            phase,
+            generation: self.generation,
+            workers,
+            hosts,
+            blacklisted,
+            resets: self.resets as u64,
+        }
     }
 
     /// The earliest time at which [`Input::Tick`] may change something.
@@ -316,6 +393,7 @@ impl Core {
 
     fn finish(&mut self, out: &mut Vec<Action>, code: u8, message: String) {
         self.finished = true;
+        self.outcome = Some(code);
         out.push(Action::Finish { code, message });
     }
 
@@ -460,6 +538,7 @@ impl Core {
     fn host_failed(&mut self, now: Duration, failed: WorkerId, host: &str, out: &mut Vec<Action>) {
         let jitter = self.jitter();
         if let Some(b) = self.blacklist.blacklist(host, now, jitter) {
+            self.cooldown_ends.insert(host.to_string(), b.until);
             match b.until {
                 Some(until) => tracing::warn!(
                     host = %host,
@@ -926,6 +1005,84 @@ mod tests {
         }
         assert_eq!(worlds(&last).len(), ids.len(), "{last:?}");
         (core, ids)
+    }
+
+    #[test]
+    fn the_snapshot_follows_the_job_through_a_failure_and_its_end() {
+        let mut c = cfg(4, 2, 4);
+        c.cooldown = Some(hvd_discovery::CooldownRange::new(secs(10), secs(20)).unwrap());
+        let mut core = Core::new(c);
+        assert_eq!(core.snapshot(secs(0)).phase, JobPhase::Pending);
+        let a = core.handle(secs(0), hosts(&[("a", 2), ("b", 2)]));
+        let ids: Vec<WorkerId> = started(&a).into_iter().map(|(w, _)| w).collect();
+        for &id in &ids {
+            core.handle(secs(1), Input::Registered(id));
+        }
+        let s = core.snapshot(secs(1));
+        assert_eq!(
+            s,
+            Snapshot {
+                phase: JobPhase::Running,
+                generation: 1,
+                workers: 4,
+                hosts: vec![("a".into(), 2), ("b".into(), 2)],
+                blacklisted: vec![],
+                resets: 0,
+            }
+        );
+        let a = core.handle(
+            secs(5),
+            Input::Exited {
+                worker: ids[3],
+                exit: killed(),
+            },
+        );
+        let s = core.snapshot(secs(5));
+        assert_eq!(s.phase, JobPhase::Rescaling, "{a:?}");
+        assert_eq!(s.blacklisted.len(), 1);
+        assert_eq!(s.blacklisted[0].0, "b");
+        let until = s.blacklisted[0].1.unwrap();
+        assert!(until >= secs(15) && until <= secs(25), "{until:?}");
+        for &id in &ids[..2] {
+            core.handle(
+                secs(6),
+                Input::Joined {
+                    worker: id,
+                    reason: "peer lost".into(),
+                },
+            );
+        }
+        let s = core.snapshot(secs(6));
+        assert_eq!(
+            (s.phase, s.generation, s.workers, s.resets),
+            (JobPhase::Running, 2, 2, 1)
+        );
+        assert_eq!(s.hosts, vec![("a".into(), 2)]);
+        assert!(
+            core.snapshot(secs(30)).blacklisted.is_empty(),
+            "cooldown over"
+        );
+        for &id in &ids[..2] {
+            core.handle(
+                secs(7),
+                Input::Exited {
+                    worker: id,
+                    exit: ok(),
+                },
+            );
+        }
+        assert_eq!(core.snapshot(secs(7)).phase, JobPhase::Succeeded);
+        let (mut failed, ids) = running(cfg(2, 2, 2), &[("a", 2)]);
+        failed.handle(
+            secs(2),
+            Input::Exited {
+                worker: ids[0],
+                exit: killed(),
+            },
+        );
+        assert_eq!(failed.snapshot(secs(2)).phase, JobPhase::Rescaling);
+        failed.handle(secs(700), Input::Tick); // past the elastic timeout, with no host left
+        assert_eq!(failed.snapshot(secs(700)).phase, JobPhase::Failed);
     }
 
     #[test]

@@ -17,6 +17,7 @@ use super::core::{Action, Config, Core, ExitInfo, Input, WorkerId};
 use crate::hosts;
 use crate::job::{Ended, Exit, Handle, LaunchMode, Launcher, new_secret, stop_workers};
 use crate::rendezvous::{self, Registration, Wire};
+use crate::status::{self, Published};
 
 /// Where the hosts come from.
 #[derive(Debug, Clone)]
@@ -54,6 +55,8 @@ pub struct ElasticSpec {
     pub extra_env: Vec<(String, String)>,
     /// How workers are started.
     pub launch: LaunchMode,
+    /// Port of the `GET /status` endpoint, if one is wanted (0: any free port).
+    pub status_port: Option<u16>,
 }
 
 /// How the job ended: the code `horovodrun` exits with and what it prints.
@@ -304,6 +307,22 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     let poller = tokio::spawn(poll(spec.source.clone(), spec.interval, disc_tx));
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
+    let core = Core::new(spec.core.clone());
+    let (t0, epoch) = (Instant::now(), SystemTime::now());
+    let (status_tx, status_rx) = tokio::sync::watch::channel(Published {
+        snapshot: core.snapshot(Duration::ZERO),
+        epoch,
+    });
+    let status_server = match spec.status_port {
+        Some(port) => {
+            let listener = tokio::net::TcpListener::bind(("0.0.0.0", port))
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot serve --status-port {port}: {e}"))?;
+            tracing::info!(addr = %listener.local_addr()?, "status endpoint listening on GET /status");
+            Some(tokio::spawn(status::serve(listener, status_rx)))
+        }
+        None => None,
+    };
     let (exit_tx, mut exit_rx) = mpsc::channel::<Exit>(256);
     let launcher = Launcher::new(
         spec.command.clone(),
@@ -316,9 +335,9 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();
     let mut d = Driver {
-        core: Core::new(spec.core.clone()),
+        core,
         spec,
-        t0: Instant::now(),
+        t0,
         secret,
         port,
         own_host,
@@ -365,6 +384,10 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             _ = sigint.recv() => interrupted = Some(Signal::SIGINT),
             _ = sigterm.recv() => interrupted = Some(Signal::SIGTERM),
         }
+        status_tx.send_replace(Published {
+            snapshot: d.core.snapshot(d.now()),
+            epoch,
+        });
     }
     poller.abort();
     let targets: Vec<(u64, Handle)> = d.handles.drain().collect();
@@ -372,6 +395,9 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     drop(targets);
     d.launcher.agents = None; // closes the agent connections: nothing is left running there
     server.abort();
+    if let Some(s) = status_server {
+        s.abort();
+    }
     d.regs.clear();
     for r in d.relays.drain(..) {
         let _ = tokio::time::timeout(Duration::from_millis(500), r).await;

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -43,7 +43,9 @@ pub struct Job {
     lines: mpsc::Receiver<Line>,
     /// Counter lines seen so far.
     pub seen: Vec<Line>,
-    stderr: Option<thread::JoinHandle<String>>,
+    stderr: Option<thread::JoinHandle<()>>,
+    /// `horovodrun`'s stderr so far.
+    err: Arc<Mutex<String>>,
     /// Processes whose children are the job's workers: `horovodrun`, or the agents.
     pub parents: Vec<u32>,
 }
@@ -129,10 +131,18 @@ impl Job {
                 }
             }
         });
+        let log = Arc::new(Mutex::new(String::new()));
+        let sink = log.clone();
         let stderr = thread::spawn(move || {
-            let mut s = String::new();
-            let _ = err.read_to_string(&mut s);
-            s
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
         });
         let parents = vec![child.id()];
         Self {
@@ -141,6 +151,7 @@ impl Job {
             lines,
             seen: Vec::new(),
             stderr: Some(stderr),
+            err: log,
             parents,
         }
     }
@@ -253,6 +264,21 @@ impl Job {
             .collect()
     }
 
+    /// Waits until `horovodrun` logs a line containing `what`; returns that line.
+    pub fn wait_stderr(&self, what: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(l) = self.err.lock().unwrap().lines().find(|l| l.contains(what)) {
+                return l.to_string();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "horovodrun never logged {what:?}"
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Waits for horovodrun to exit; returns its code, stderr and every counter line.
     pub fn finish(mut self) -> (i32, String, Vec<Line>) {
         let deadline = Instant::now() + Duration::from_secs(90);
@@ -269,11 +295,10 @@ impl Job {
         while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(2)) {
             self.seen.push(l);
         }
-        let err = self
-            .stderr
-            .take()
-            .and_then(|h| h.join().ok())
-            .unwrap_or_default();
+        if let Some(h) = self.stderr.take() {
+            let _ = h.join();
+        }
+        let err = self.err.lock().unwrap().clone();
         let _ = std::fs::remove_dir_all(&self.dir);
         (
             status.code().unwrap_or(-1),
