@@ -575,5 +575,15 @@ mod tests {
         c.apply(watcher::Event::InitApply(pod("b", Some("1.1.1.2"), true)));
         c.apply(watcher::Event::InitDone);
         assert_eq!(c.pods.keys().collect::<Vec<_>>(), vec!["ml/b"]);
+        c.apply(watcher::Event::Apply(pod("c", Some("1.1.1.3"), true)));
+        c.apply(watcher::Event::Delete(pod("b", Some("1.1.1.2"), true)));
+        assert_eq!(c.pods.keys().collect::<Vec<_>>(), vec!["ml/c"]);
+    }
+
+    #[test]
+    fn watch_futures_can_be_spawned() {
+        fn assert_send<T: Send + 'static>(_: &T) {}
+        let (tx, _rx) = mpsc::channel(1);
+        assert_send(&watch(sel(), tx));
     }
 }
