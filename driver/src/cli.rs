@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
+use hvd_discovery::kubernetes::PodSelector;
 
 /// How workers are started (`--launcher`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -184,6 +185,63 @@ pub struct Args {
     pub command: Vec<String>,
 }
 
+impl Args {
+    /// The pods to watch for `--discovery kubernetes`; `None` for the other host sources.
+    ///
+    /// # Errors
+    /// A missing `--selector`, a second host source, or a Kubernetes flag without
+    /// `--discovery kubernetes`, each named.
+    pub fn pod_selector(&self) -> Result<Option<PodSelector>, String> {
+        let kube_flags = [
+            ("--selector", self.selector.is_some()),
+            ("--namespace", self.namespace.is_some()),
+            ("--slots-annotation", self.slots_annotation.is_some()),
+            ("--service", self.service.is_some()),
+        ];
+        match self.discovery {
+            Some(DiscoveryKind::Kubernetes) => {}
+            Some(DiscoveryKind::Script) if self.discovery_script.is_none() => {
+                return Err("--discovery script needs --host-discovery-script".into());
+            }
+            _ => {
+                return match kube_flags.iter().find(|(_, set)| *set) {
+                    Some((flag, _)) => {
+                        Err(format!("{flag} works with --discovery kubernetes only"))
+                    }
+                    None => Ok(None),
+                };
+            }
+        }
+        if self.discovery_script.is_some() || self.hosts.is_some() || self.hostfile.is_some() {
+            return Err(
+                "--discovery kubernetes takes its hosts from the API server; drop \
+                 --host-discovery-script, -H and --hostfile"
+                    .into(),
+            );
+        }
+        let selector = match self.selector.as_deref().map(str::trim) {
+            Some(s) if !s.is_empty() => s.to_string(),
+            _ => {
+                return Err(
+                    "--discovery kubernetes needs --selector, the worker pods' labels \
+                     (e.g. 'app=train,role=worker')"
+                        .into(),
+                );
+            }
+        };
+        if self.slots == Some(0) {
+            return Err("--slots must be at least 1".into());
+        }
+        let mut sel = PodSelector::new(selector, self.slots.unwrap_or(1));
+        sel.namespace.clone_from(&self.namespace);
+        sel.service.clone_from(&self.service);
+        if let Some(a) = &self.slots_annotation {
+            sel.slots_annotation.clone_from(a);
+        }
+        Ok(Some(sel))
+    }
+}
+
 /// Flags that take a value as the next word (Horovod's spellings included).
 const VALUE_FLAGS: &[&str] = &[
     "-np",
@@ -326,6 +384,119 @@ mod tests {
         assert_eq!(a.discovery_script.as_deref(), Some("./d.sh"));
         assert_eq!(a.command, vec!["./train", "--steps", "5"]);
         assert!(parse(&["-H", "a", "--host-discovery-script", "d", "x"]).is_err());
+    }
+
+    #[test]
+    fn launcher_and_status_flags() {
+        let a = parse(&["-np", "2", "x"]).unwrap();
+        assert_eq!(
+            (a.launcher, a.agent_port, a.status_port),
+            (LauncherKind::Auto, 7077, None)
+        );
+        let a = parse(&[
+            "--launcher",
+            "agent",
+            "--agent-port",
+            "9000",
+            "--status-port",
+            "8080",
+            "-np",
+            "2",
+            "./train",
+            "--launcher",
+            "x",
+        ])
+        .unwrap();
+        assert_eq!(
+            (a.launcher, a.agent_port, a.status_port),
+            (LauncherKind::Agent, 9000, Some(8080))
+        );
+        assert_eq!(a.command, ["./train", "--launcher", "x"]);
+        let e = parse(&["--launcher", "ssh", "x"]).unwrap_err().to_string();
+        assert!(
+            e.contains("ssh") && e.contains("auto") && e.contains("agent"),
+            "{e}"
+        );
+        assert!(parse(&["--agent-port", "70000", "x"]).is_err());
+    }
+
+    #[test]
+    fn kubernetes_discovery_flags() {
+        let a = parse(&[
+            "--discovery",
+            "kubernetes",
+            "--selector",
+            "app=train,role=worker",
+            "--namespace",
+            "ml",
+            "--slots",
+            "4",
+            "--slots-annotation",
+            "example.com/gpus",
+            "--service",
+            "workers",
+            "-np",
+            "2",
+            "./train",
+        ])
+        .unwrap();
+        assert_eq!(a.discovery, Some(DiscoveryKind::Kubernetes));
+        let sel = a.pod_selector().unwrap().unwrap();
+        assert_eq!(sel.label_selector, "app=train,role=worker");
+        assert_eq!(sel.namespace.as_deref(), Some("ml"));
+        assert_eq!(sel.default_slots, 4);
+        assert_eq!(sel.slots_annotation, "example.com/gpus");
+        assert_eq!(sel.service.as_deref(), Some("workers"));
+        assert_eq!(a.command, ["./train"]);
+
+        let a = parse(&["--discovery", "kubernetes", "--selector", "app=t", "x"]).unwrap();
+        let sel = a.pod_selector().unwrap().unwrap();
+        assert_eq!(
+            (
+                sel.namespace,
+                sel.default_slots,
+                sel.slots_annotation.as_str(),
+                sel.service
+            ),
+            (
+                None,
+                1,
+                hvd_discovery::kubernetes::DEFAULT_SLOTS_ANNOTATION,
+                None
+            )
+        );
+        // Script discovery has no selector.
+        let a = parse(&["--host-discovery-script", "./d.sh", "x"]).unwrap();
+        assert_eq!(a.pod_selector().unwrap(), None);
+    }
+
+    #[test]
+    fn kubernetes_discovery_misuse_is_named() {
+        let err = |args: &[&str]| parse(args).unwrap().pod_selector().unwrap_err();
+        assert!(err(&["--discovery", "kubernetes", "x"]).contains("needs --selector"));
+        assert!(
+            err(&["--discovery", "kubernetes", "--selector", " ", "x"])
+                .contains("needs --selector")
+        );
+        assert!(
+            err(&[
+                "--discovery",
+                "kubernetes",
+                "--selector",
+                "a=b",
+                "-H",
+                "h:1",
+                "x"
+            ])
+            .contains("-H")
+        );
+        assert!(
+            err(&["--selector", "a=b", "-H", "h", "x"])
+                .contains("--selector works with --discovery kubernetes")
+        );
+        assert!(err(&["--service", "s", "x"]).contains("--service works with"));
+        assert!(err(&["--discovery", "script", "x"]).contains("needs --host-discovery-script"));
+        assert!(parse(&["--discovery", "consul", "x"]).is_err());
     }
 
     #[test]

@@ -113,7 +113,7 @@ fn seconds(flag: Option<f64>, name: &str, env: &str, default: f64) -> anyhow::Re
 
 /// Turns the flags of an elastic job into its spec; everything is checked before anything starts.
 fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
-    use hvd_discovery::{CooldownRange, ScriptDiscovery};
+    use hvd_discovery::CooldownRange;
     let np = args
         .np
         .or(args.min_np)
@@ -123,20 +123,12 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
     if np == 0 || min_np > np || np > max_np {
         bail!("elastic mode needs 1 <= --min-np ({min_np}) <= -np ({np}) <= --max-np ({max_np})");
     }
-    let source = match (&args.discovery_script, &args.hosts, &args.hostfile) {
-        (Some(script), _, _) => {
-            let timeout = positive(args.discovery_timeout, "--discovery-timeout")?;
-            elastic::run::Source::Script(ScriptDiscovery::new(script.clone(), timeout, args.slots))
+    let source = match args.pod_selector().map_err(anyhow::Error::msg)? {
+        Some(sel) => {
+            tracing::info!(selector = %sel.label_selector, namespace = ?sel.namespace, "hosts from Kubernetes pods");
+            elastic::run::Source::Kubernetes(sel)
         }
-        (None, Some(list), _) => elastic::run::Source::Fixed(parse_host_list(list)?),
-        (None, None, Some(path)) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading hostfile {}", path.display()))?;
-            elastic::run::Source::Fixed(parse_hostfile(&path.display().to_string(), &text)?)
-        }
-        (None, None, None) => {
-            bail!("elastic mode needs --host-discovery-script, -H or --hostfile")
-        }
+        None => discovery_source(args)?,
     };
     let cooldown = match args.cooldown_range.as_deref() {
         None => None,
@@ -218,6 +210,34 @@ fn launch_mode(args: &cli::Args, secret: Option<String>) -> anyhow::Result<Launc
             })
         }
     }
+}
+
+/// The script or fixed host source of an elastic job.
+fn discovery_source(args: &cli::Args) -> anyhow::Result<elastic::run::Source> {
+    use hvd_discovery::ScriptDiscovery;
+    Ok(
+        match (&args.discovery_script, &args.hosts, &args.hostfile) {
+            (Some(script), _, _) => {
+                let timeout = positive(args.discovery_timeout, "--discovery-timeout")?;
+                elastic::run::Source::Script(ScriptDiscovery::new(
+                    script.clone(),
+                    timeout,
+                    args.slots,
+                ))
+            }
+            (None, Some(list), _) => elastic::run::Source::Fixed(parse_host_list(list)?),
+            (None, None, Some(path)) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading hostfile {}", path.display()))?;
+                elastic::run::Source::Fixed(parse_hostfile(&path.display().to_string(), &text)?)
+            }
+            (None, None, None) => {
+                bail!(
+                    "elastic mode needs --host-discovery-script, --discovery kubernetes, -H or --hostfile"
+                )
+            }
+        },
+    )
 }
 
 /// The engine and timeline settings the workers get: `--cycle-time-ms`,
@@ -307,6 +327,7 @@ fn init_tracing(verbose: bool) {
 
 /// Turns the flags into a job: hosts, slots, ranks. Everything is checked before anything starts.
 fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
+    args.pod_selector().map_err(anyhow::Error::msg)?; // stray Kubernetes flags are errors
     if args.status_port.is_some() {
         bail!(
             "--status-port serves an elastic job's state; turn elastic mode on with --min-np, \

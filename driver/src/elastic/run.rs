@@ -6,6 +6,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use hvd_discovery::kubernetes::{self, PodSelector};
 use hvd_discovery::{HostSpec, ScriptDiscovery};
 use hvd_rendezvous::{self as rv, DriverMsg, HostsUpdate};
 use nix::sys::signal::Signal;
@@ -26,6 +27,9 @@ pub enum Source {
     Script(ScriptDiscovery),
     /// `-H` or `--hostfile`: a fixed set that failures shrink and cooldowns restore.
     Fixed(Vec<HostSpec>),
+    /// `--discovery kubernetes`: the Ready pods matching a selector, from a watch on the API
+    /// server (no polling).
+    Kubernetes(PodSelector),
 }
 
 /// Everything an elastic job needs.
@@ -272,7 +276,23 @@ impl Driver {
     }
 }
 
-/// Polls the host source forever, sending each result.
+/// Forwards every host set (or failure) of a pod watch until the job ends.
+async fn watch_pods(sel: PodSelector, tx: mpsc::Sender<Input>) {
+    let (ktx, mut krx) = mpsc::channel(4);
+    // Ends by itself once `krx` is dropped, when this task is aborted with the job.
+    tokio::spawn(kubernetes::watch(sel, ktx));
+    while let Some(result) = krx.recv().await {
+        let input = match result {
+            Ok(hosts) => Input::Discovered(hosts),
+            Err(e) => Input::DiscoveryFailed(e.to_string()),
+        };
+        if tx.send(input).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Polls the host source forever, sending each result; a pod watch sends as pods change.
 async fn poll(source: Source, interval: Duration, tx: mpsc::Sender<Input>) {
     loop {
         let input = match &source {
@@ -281,6 +301,7 @@ async fn poll(source: Source, interval: Duration, tx: mpsc::Sender<Input>) {
                 Ok(h) => Input::Discovered(h),
                 Err(e) => Input::DiscoveryFailed(e.to_string()),
             },
+            Source::Kubernetes(sel) => return watch_pods(sel.clone(), tx).await,
         };
         if tx.send(input).await.is_err() {
             return;
