@@ -16,7 +16,7 @@ pub const MAX_RESPONSE_BYTES: usize = 4 << 20;
 /// The driver's view of the job (`GET /status`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 pub struct DriverStatus {
-    /// The driver's phase name (e.g. `running`, `rescaling`).
+    /// The driver's phase name (`Pending`, `Running`, `Rescaling`, `Succeeded`, `Failed`).
     #[serde(default)]
     pub phase: String,
     /// The rendezvous round.
@@ -148,7 +148,7 @@ mod tests {
     use super::*;
     use tokio::net::TcpListener;
 
-    const BODY: &str = r#"{"phase":"running","generation":3,"workers":4,
+    const BODY: &str = r#"{"phase":"Running","generation":3,"workers":4,
         "hosts":[{"host":"10.0.0.1","slots":2}],
         "blacklisted":[{"host":"10.0.0.9","until_ms":1234}],"resets":1}"#;
 

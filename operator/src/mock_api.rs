@@ -239,7 +239,7 @@ fn driver_and_two_workers(j: &ElasticJob, first: impl FnOnce(Pod) -> Pod) -> Vec
 
 fn driver_report(blacklisted: &[&str]) -> Value {
     json!({
-        "phase": "running", "generation": 4, "workers": 4,
+        "phase": "Running", "generation": 4, "workers": 4,
         "hosts": [], "resets": 1,
         "blacklisted": blacklisted.iter().map(|h| json!({"host": h, "until_ms": 99})).collect::<Vec<_>>(),
     })

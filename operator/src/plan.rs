@@ -223,10 +223,14 @@ pub fn plan(job: &ElasticJob, pods: &[Pod], driver: Option<&DriverStatus>) -> Ve
     actions
 }
 
+/// The driver's phase name (`Pending`, `Running`, `Rescaling`, `Succeeded`, `Failed`, any
+/// case) as a job phase; an unknown name counts as Running.
 fn driver_phase(s: &DriverStatus) -> Phase {
     match s.phase.to_ascii_lowercase().as_str() {
-        "rescaling" | "resetting" | "recovering" => Phase::Rescaling,
-        "pending" | "waiting" | "starting" => Phase::Pending,
+        "rescaling" => Phase::Rescaling,
+        "pending" => Phase::Pending,
+        "succeeded" => Phase::Succeeded,
+        "failed" => Phase::Failed,
         _ => Phase::Running,
     }
 }
@@ -289,6 +293,7 @@ pub fn status(
     let phase = match (finished_phase(job, driver_pod(&names, pods)), driver) {
         (Some(done), _) => done,
         (None, None) => Phase::Pending,
+        (None, Some(d)) if driver_phase(d).is_terminal() => driver_phase(d),
         (None, Some(d)) => {
             let changing = actions.iter().any(|a| !matches!(a, Action::CreateDriver));
             if changing || ready != desired {
@@ -356,7 +361,7 @@ mod tests {
 
     fn st(blacklisted: &[&str]) -> DriverStatus {
         DriverStatus {
-            phase: "running".into(),
+            phase: "Running".into(),
             generation: 7,
             workers: 4,
             blacklisted: blacklisted
@@ -617,10 +622,18 @@ mod tests {
             status(&j, &pods, Some(&d), &[], &now()).phase,
             Phase::Rescaling
         );
-        d.phase = "waiting".into();
-        assert_eq!(
-            status(&j, &pods, Some(&d), &[], &now()).phase,
-            Phase::Pending
-        );
+        for (name, phase) in [
+            ("Pending", Phase::Pending),
+            ("Succeeded", Phase::Succeeded),
+            ("failed", Phase::Failed),
+            ("something new", Phase::Running),
+        ] {
+            d.phase = name.into();
+            assert_eq!(
+                status(&j, &pods, Some(&d), &[], &now()).phase,
+                phase,
+                "{name}"
+            );
+        }
     }
 }
