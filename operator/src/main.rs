@@ -4,6 +4,7 @@
 //! `RUST_LOG` sets the log level. SIGTERM or SIGINT stops it gracefully.
 
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
@@ -58,6 +59,9 @@ async fn terminated() {
         _ = int.recv() => tracing::info!("SIGINT"),
     }
 }
+
+/// How long a leading controller gets to finish its reconciles after SIGTERM.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
 
 /// Exit code for a usage error (sysexits EX_USAGE).
 const EX_USAGE: u8 = 64;
@@ -146,9 +150,20 @@ async fn operate(cli: Cli) -> anyhow::Result<()> {
     })?;
     let (leading, task) = manager.watch().await;
     tracing::info!(lease = %cli.lease_name, namespace = ?cli.namespace, "hvd-operator waiting for the lease");
+    let election = while_leader(leading.clone(), controller);
+    tokio::pin!(election);
     let outcome = tokio::select! {
-        o = while_leader(leading.clone(), controller) => o,
-        () = stopped(stop_rx) => Leadership::WorkEnded,
+        o = &mut election => o,
+        () = stopped(stop_rx) => {
+            // A leading controller stops on the same signal: let it finish its reconciles.
+            if *leading.borrow() {
+                tokio::time::timeout(SHUTDOWN_GRACE, &mut election)
+                    .await
+                    .unwrap_or(Leadership::WorkEnded)
+            } else {
+                Leadership::WorkEnded
+            }
+        }
     };
     drop(leading);
     // Dropping the receivers ends the manager's task; give the lease back for a fast handover.
