@@ -100,8 +100,8 @@ impl Job {
     ) -> Self {
         std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n").expect("hosts");
         let script = dir.join("discover.sh").display().to_string();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
-            .args(flags)
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+        cmd.args(flags)
             .args([
                 "--host-discovery-script",
                 &script,
@@ -110,7 +110,13 @@ impl Job {
             ])
             .arg(example(program))
             .args(args)
-            .envs(env.iter().copied())
+            .envs(env.iter().copied());
+        Self::spawn(dir, cmd)
+    }
+
+    /// Runs `cmd` (a `horovodrun` command line) as the job; `dir` is removed at its end.
+    pub fn spawn(dir: PathBuf, mut cmd: Command) -> Self {
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
