@@ -156,6 +156,8 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
         .unwrap_or_default();
     let rendezvous_host = match &args.network_interface {
         Some(i) => interface_ip(i)?,
+        // A pod's host name resolves only inside the pod: its peers reach it by IP.
+        None if matches!(source, elastic::run::Source::Kubernetes(_)) => own_ip(&own),
         None => own,
     };
     let seed = std::time::SystemTime::now()
@@ -409,6 +411,22 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
         extra_env: timeline_env(args)?,
         launch: launch_mode(args, std::env::var(hvd_agent::ENV_AGENT_SECRET).ok())?,
     })
+}
+
+/// The first non-loopback IPv4 address `own` (this machine's host name) resolves to here,
+/// else `own` itself. In a pod, `/etc/hosts` maps the pod's host name to its IP.
+fn own_ip(own: &str) -> String {
+    use std::net::ToSocketAddrs;
+    let found = (own, 0u16).to_socket_addrs().ok().and_then(|mut addrs| {
+        addrs.find(|a| a.is_ipv4() && !a.ip().is_loopback() && !a.ip().is_unspecified())
+    });
+    match found {
+        Some(a) => a.ip().to_string(),
+        None => {
+            tracing::warn!(host = %own, "this host name resolves to no routable address; workers get the name");
+            own.to_string()
+        }
+    }
 }
 
 fn interface_ip(name: &str) -> anyhow::Result<String> {
