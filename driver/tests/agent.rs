@@ -360,3 +360,64 @@ fn agents_kill_the_workers_of_a_driver_that_died() {
         assert!(alive(a.pid() as i32), "the agent waits for the next driver");
     }
 }
+
+#[test]
+fn a_failing_or_killed_rank_fails_the_static_job_and_leaves_no_process_behind() {
+    let secret = format!("static-fail-{}", std::process::id());
+    let (agents, port) = agents(&["127.0.0.2", "127.0.0.3"], &secret);
+    let port = port.to_string();
+    let horovodrun = |extra: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+        cmd.args(["--launcher", "agent", "--agent-port", &port])
+            .args([
+                "-np",
+                "3",
+                "-H",
+                "127.0.0.2:1,127.0.0.3:2",
+                &example("hvd_probe"),
+            ])
+            .args(extra)
+            .env(SECRET_VAR, &secret);
+        cmd
+    };
+    let out = horovodrun(&["--exit-code", "7", "--on-rank", "2"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{stderr}");
+    assert!(
+        stderr.contains("rank 2 on host 127.0.0.3 exited with code 7"),
+        "{stderr}"
+    );
+
+    // Rank 1 is killed on its host while all ranks loop on allreduces.
+    let mut child = horovodrun(&["--allreduce-loop"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut pids = [0i32; 3];
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    while pids.contains(&0) {
+        let l = lines.next().expect("every rank's topology").unwrap();
+        if let Some((_, j)) = l.split_once(":{") {
+            let v: serde_json::Value = serde_json::from_str(&format!("{{{j}")).unwrap();
+            if v["event"] == "topology" {
+                pids[v["rank"].as_u64().unwrap() as usize] = v["pid"].as_i64().unwrap() as i32;
+            }
+        }
+    }
+    let all: Vec<i32> = agents.iter().flat_map(|a| children(a.pid())).collect();
+    assert_eq!(all.len(), 3, "the agents run the workers");
+    thread::sleep(Duration::from_millis(200));
+    signal(pids[1], Signal::SIGKILL);
+    thread::spawn(move || for _ in lines.map_while(Result::ok) {});
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(137), "{stderr}");
+    assert!(
+        stderr.contains("rank 1 on host 127.0.0.3 was killed by signal 9"),
+        "{stderr}"
+    );
+    wait_gone(&pids, "ranks left running after the failure");
+}
