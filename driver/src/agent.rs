@@ -59,8 +59,21 @@ pub struct Remote {
 impl Remote {
     /// Asks the agent to stop the worker: SIGTERM, SIGKILL after `grace` (at once for zero).
     pub fn stop(&self, grace: Duration) {
-        if let Err(e) = self.tx.try_send(Cmd::Stop { id: self.id, grace }) {
-            tracing::debug!(worker = self.id, error = %e, "stop not sent: the agent connection is gone or full");
+        match self.tx.try_send(Cmd::Stop { id: self.id, grace }) {
+            Ok(()) => {}
+            // Its agent is gone, and the worker with it (or it exits when its driver does).
+            Err(TrySendError::Closed(_)) => {
+                tracing::debug!(
+                    worker = self.id,
+                    "stop not sent: the agent connection is closed"
+                );
+            }
+            Err(TrySendError::Full(_)) => {
+                tracing::warn!(
+                    worker = self.id,
+                    "stop not sent: too many requests queued for its agent"
+                );
+            }
         }
     }
 }
