@@ -20,7 +20,7 @@ use nix::unistd::Pid;
 /// A word every process exposes so a peer can check that it may read this process's memory.
 static PROBE: u64 = 0x4856_4443_4d41_5052; // "HVDCMAPR"
 
-const RECORD: usize = 4 + 8 + 36;
+const RECORD: usize = 4 + 8 + 36 + 24;
 const NEGOTIATE_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn boot_id() -> Option<[u8; 36]> {
@@ -59,6 +59,8 @@ pub(crate) struct Agreement {
     pub(crate) world: bool,
     /// Every host group agreed on `local`, and every rank wants hierarchical collectives.
     pub(crate) hierarchical: bool,
+    /// Every rank's mailbox for small messages (this rank's own included).
+    pub(crate) mailboxes: Vec<crate::mailbox::Remote>,
 }
 
 /// Agrees with every peer which ranks can use cross-memory attach. `host_of[j]` is rank `j`'s
@@ -72,14 +74,24 @@ pub(crate) fn negotiate(
     host_of: &[usize],
     enabled: bool,
     hierarchical: bool,
+    mailbox: &crate::mailbox::Mailbox,
 ) -> io::Result<Agreement> {
     let me = boot_id();
     let mut record = [0u8; RECORD];
     record[..4].copy_from_slice(&std::process::id().to_le_bytes());
     record[4..12].copy_from_slice(&(std::ptr::addr_of!(PROBE) as u64).to_le_bytes());
     if let Some(b) = me {
-        record[12..].copy_from_slice(&b);
+        record[12..48].copy_from_slice(&b);
     }
+    let own = crate::mailbox::Remote {
+        addr: mailbox.addr(),
+        stride: mailbox.stride_bytes(),
+        capacity: mailbox.capacity(),
+    };
+    for (i, v) in [own.addr, own.stride, own.capacity].into_iter().enumerate() {
+        record[48 + 8 * i..56 + 8 * i].copy_from_slice(&(v as u64).to_le_bytes());
+    }
+    let mut mailboxes = vec![own; streams.len()];
     for s in streams.iter_mut().flatten() {
         s.set_read_timeout(Some(NEGOTIATE_TIMEOUT))?;
         s.write_all(&record)?;
@@ -96,11 +108,21 @@ pub(crate) fn negotiate(
         let mut a = [0u8; 8];
         a.copy_from_slice(&theirs[4..12]);
         pids[j] = Pid::from_raw(pid);
+        let field = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&theirs[48 + 8 * i..56 + 8 * i]);
+            usize::try_from(u64::from_le_bytes(w)).unwrap_or(0)
+        };
+        mailboxes[j] = crate::mailbox::Remote {
+            addr: field(0),
+            stride: field(1),
+            capacity: field(2),
+        };
         let same_host = host_of[j] == host_of[rank];
         if !(can[0] || (same_host && can[1])) {
             continue;
         }
-        let readable = me.is_some_and(|b| b[..] == theirs[12..]) && {
+        let readable = me.is_some_and(|b| b[..] == theirs[12..48]) && {
             let mut word = [0u8; 8];
             let addr = usize::try_from(u64::from_le_bytes(a)).unwrap_or(0);
             read_remote(pids[j], addr, &mut word).is_ok() && u64::from_le_bytes(word) == PROBE
@@ -138,5 +160,6 @@ pub(crate) fn negotiate(
         pids,
         world,
         hierarchical: all,
+        mailboxes,
     })
 }

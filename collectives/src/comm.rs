@@ -10,6 +10,7 @@ use crate::connect;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::link::{AbortHandle, LinkFailure, Shared, discard, read_full, write_full};
+use crate::mailbox::{Mailbox, Remote};
 use crate::pipeline::{self, Mode, Recv};
 use crate::wire::{DESCRIPTOR_LEN, Descriptor};
 
@@ -32,6 +33,13 @@ pub struct Communicator {
     pub(crate) cma: Option<Vec<nix::unistd::Pid>>,
     /// The host and cross-host halves of this world, when allreduce runs hierarchically.
     pub(crate) hier: Option<Hierarchy>,
+    /// This rank's mailbox for small messages among ranks of one host.
+    mailbox: Mailbox,
+    /// Every rank's mailbox and the largest payload all of them hold, when the whole world
+    /// shares this host.
+    mail: Option<(Vec<Remote>, usize)>,
+    /// The last call this rank posted in its mailbox.
+    posted: Option<u64>,
 }
 
 /// The two communicators of a hierarchical allreduce, over the world's own sockets: the ranks
@@ -42,6 +50,37 @@ pub struct Communicator {
 pub(crate) struct Hierarchy {
     pub(crate) local: Box<Communicator>,
     pub(crate) cross: Box<Communicator>,
+}
+
+/// Cores this process may run on (asked once: the answer costs system calls and file reads).
+fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| thread::available_parallelism().map_or(1, |c| c.get()))
+}
+
+impl Drop for Communicator {
+    /// Waits (up to the progress timeout) until every peer has read this rank's last mailbox
+    /// post, so that a rank leaving right after a call does not take its post away from a
+    /// slower peer. A peer that is gone, or a broken communicator, ends the wait.
+    fn drop(&mut self) {
+        let (Some(seq), Some((remotes, _)), Some(pids)) =
+            (self.posted, self.mail.as_ref(), self.cma.as_ref())
+        else {
+            return;
+        };
+        if self.broken.is_some() || self.shared.abort_reason().is_some() {
+            return;
+        }
+        let deadline = std::time::Instant::now() + self.cfg.progress_timeout;
+        for p in (0..self.size()).filter(|&p| p != self.rank()) {
+            while let Ok(false) = crate::mailbox::peer_finished(pids[p], &remotes[p], seq) {
+                if std::time::Instant::now() >= deadline || self.closed_peer(&[p]).is_some() {
+                    break;
+                }
+                thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
 }
 
 /// Each rank's host group: ranks listening on one address share a host. Groups are numbered
@@ -96,12 +135,14 @@ impl Communicator {
         }
         let mut streams = connect::mesh(&cfg, listener, peers)?;
         let host_of = host_groups(peers);
+        let mailbox = Mailbox::new(cfg.small_bytes);
         let agreed = crate::cma::negotiate(
             cfg.rank,
             &mut streams,
             &host_of,
             cfg.same_host_copy,
             cfg.hierarchical != Some(false),
+            &mailbox,
         )
         .map_err(|source| CommError::Io {
             context: "agreeing on same-host transfers".into(),
@@ -110,6 +151,16 @@ impl Communicator {
         let forced = cfg.hierarchical == Some(true);
         let mut comm = Self::from_streams(cfg, streams, Arc::new(Shared::default()));
         comm.cma = agreed.world.then(|| agreed.pids.clone());
+        comm.mailbox = mailbox;
+        if agreed.world {
+            let limit = agreed
+                .mailboxes
+                .iter()
+                .map(|m| m.capacity)
+                .min()
+                .unwrap_or(0);
+            comm.mail = Some((agreed.mailboxes.clone(), limit));
+        }
         comm.split_hosts(&host_of, &agreed, forced)?;
         tracing::debug!(
             rank = comm.rank(),
@@ -239,6 +290,9 @@ impl Communicator {
             txbuf: Vec::new(),
             cma: None,
             hier: None,
+            mailbox: Mailbox::new(0),
+            mail: None,
+            posted: None,
         }
     }
 
@@ -388,6 +442,15 @@ impl Communicator {
     ) -> Result<Vec<Descriptor>> {
         let op = mine.kind.name();
         let (n, r) = (self.size(), self.rank());
+        if self.mail.is_some() {
+            // On one host every call first agrees through the mailboxes, whatever path it
+            // takes next, so ranks that disagree fail together instead of waiting on
+            // different channels.
+            let mut d = mine;
+            d.payload_len = 0;
+            let mut scratch = vec![Vec::new(); n];
+            self.open_mailbox(d, local.clone(), &[], &mut scratch)?;
+        }
         let invalid = local.is_err();
         let flag = |mut d: Descriptor| {
             if invalid {
@@ -456,6 +519,18 @@ impl Communicator {
                 descs[p] = d;
             }
         }
+        self.agree(op, local, descs)
+    }
+
+    /// The end of every opening: this rank's own verdict first, then a peer's, then whether
+    /// every descriptor matches rank 0's.
+    fn agree(
+        &mut self,
+        op: &'static str,
+        local: std::result::Result<(), String>,
+        descs: Vec<Descriptor>,
+    ) -> Result<Vec<Descriptor>> {
+        let n = descs.len();
         if let Err(detail) = local {
             return Err(CommError::InvalidArgument { op, detail });
         }
@@ -478,6 +553,133 @@ impl Communicator {
             }
         }
         Ok(descs)
+    }
+
+    /// Whether a call with `bytes` of payload goes through the mailboxes: the whole world
+    /// shares this host and every rank's mailbox holds it. Every rank gives the same answer.
+    pub(crate) fn fits_mailbox(&self, bytes: usize) -> bool {
+        self.mail.as_ref().is_some_and(|(_, limit)| bytes <= *limit)
+    }
+
+    /// [`Communicator::open`] for small calls on one host: posts this rank's descriptor and
+    /// payload in its mailbox and reads every peer's (payloads into `inbox`), with no socket
+    /// in between. A waiting rank spins briefly only when there are cores to spare, then
+    /// yields, then sleeps; the sockets still tell when a peer is gone.
+    pub(crate) fn open_mailbox(
+        &mut self,
+        mine: Descriptor,
+        local: std::result::Result<(), String>,
+        payload: &[u8],
+        inbox: &mut [Vec<u8>],
+    ) -> Result<Vec<Descriptor>> {
+        let op = mine.kind.name();
+        let (n, r) = (self.size(), self.rank());
+        let (Some((remotes, _)), Some(pids)) = (self.mail.clone(), self.cma.clone()) else {
+            return Err(self.fail(CommError::Broken {
+                cause: "same-host mailboxes are not set up".into(),
+            }));
+        };
+        let mut d = mine;
+        if local.is_err() {
+            d.invalid = true;
+            d.payload_len = 0;
+        }
+        let posted = if d.invalid { &[][..] } else { payload };
+        self.mailbox.post(d.seq, &d.encode(), posted);
+        self.posted = Some(d.seq);
+        let mut descs = vec![d; n];
+        let mut pending: Vec<usize> = (1..n).map(|k| (r + k) % n).collect();
+        let started = std::time::Instant::now();
+        let crowded = n > cores();
+        let mut rounds = 0u32;
+        loop {
+            let mut i = 0;
+            while i < pending.len() {
+                let p = pending[i];
+                match crate::mailbox::peek(pids[p], &remotes[p], d.seq, posted.len(), &mut inbox[p])
+                {
+                    Ok(Some(head)) => {
+                        descs[p] = match Descriptor::decode(&head) {
+                            Ok(x) => x,
+                            Err(detail) => {
+                                return Err(self.fail(CommError::Protocol { rank: p, detail }));
+                            }
+                        };
+                        pending.swap_remove(i);
+                    }
+                    Ok(None) => i += 1,
+                    Err(e) => {
+                        let f = LinkFailure::new(&self.shared, p, e);
+                        return Err(self.link_error(f, op, Phase::Arrival));
+                    }
+                }
+            }
+            if pending.is_empty() {
+                self.mailbox.finish(d.seq);
+                break;
+            }
+            rounds = rounds.wrapping_add(1);
+            if rounds % 64 == 0 {
+                let waited = started.elapsed();
+                let gone = if self.shared.abort_reason().is_some() {
+                    Some((pending[0], std::io::Error::other("aborted")))
+                } else if let Some(p) = self.closed_peer(&pending) {
+                    let e = std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "it closed its connection",
+                    );
+                    Some((p, e))
+                } else if waited >= self.cfg.arrival_timeout {
+                    let e = std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "it posted nothing in its mailbox",
+                    );
+                    Some((pending[0], e))
+                } else {
+                    None
+                };
+                if let Some((p, e)) = gone {
+                    let f = LinkFailure::new(&self.shared, p, e);
+                    return Err(self.link_error(f, op, Phase::Arrival));
+                }
+            }
+            let waited = started.elapsed();
+            if !crowded && waited < Duration::from_micros(200) {
+                std::hint::spin_loop();
+            } else if waited < Duration::from_millis(2) {
+                thread::yield_now();
+            } else {
+                thread::sleep(Duration::from_micros(100));
+            }
+        }
+        self.agree(op, local, descs)
+    }
+
+    /// The first of `peers` whose connection has closed (its process is gone or it failed).
+    fn closed_peer(&self, peers: &[usize]) -> Option<usize> {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        use std::os::fd::AsFd;
+        let socks: Vec<(usize, &TcpStream)> = peers
+            .iter()
+            .filter_map(|&p| self.readers[p].as_ref().map(|s| (p, s)))
+            .collect();
+        let mut fds: Vec<PollFd<'_>> = socks
+            .iter()
+            .map(|(_, s)| PollFd::new(s.as_fd(), PollFlags::POLLIN))
+            .collect();
+        poll(&mut fds, PollTimeout::ZERO).ok()?;
+        // Readable is not closed: a peer already in its next call may have written to us.
+        // A closed connection reads as end of stream (or an error) without consuming anything.
+        let readable: Vec<(usize, &TcpStream)> = socks
+            .iter()
+            .zip(&fds)
+            .filter(|(_, f)| f.revents().is_some_and(|r| !r.is_empty()))
+            .map(|(ps, _)| *ps)
+            .collect();
+        readable
+            .into_iter()
+            .find(|(_, s)| !matches!(s.peek(&mut [0u8; 1]), Ok(n) if n > 0))
+            .map(|(p, _)| p)
     }
 
     /// Runs a pipelined ring schedule between the left and right neighbours.

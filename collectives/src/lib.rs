@@ -34,6 +34,7 @@ mod dtype;
 mod engine;
 mod error;
 mod link;
+mod mailbox;
 mod ops;
 mod pipeline;
 mod timeline;
