@@ -97,7 +97,9 @@ fn main() -> anyhow::Result<()> {
         let handles: Vec<_> = tensors
             .into_iter()
             .enumerate()
-            .map(|(k, v)| engine.allreduce_async(&format!("step{i}/grad{k}"), v, ReduceOp::Sum))
+            // The same names every step, as a training loop's gradients have (the response
+            // cache announces them by id after the first step).
+            .map(|(k, v)| engine.allreduce_async(&format!("grad{k}"), v, ReduceOp::Sum))
             .collect();
         let results = handles
             .into_iter()

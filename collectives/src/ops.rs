@@ -355,41 +355,37 @@ impl Communicator {
         let blocks = block_bounds(total, n);
         let (lo, hi) = (blocks[r], blocks[r + 1]);
         let chunk = (SAME_HOST_CHUNK / elem).max(1).min(hi - lo);
-        let mut acc: Vec<T> = vec![bytemuck::Zeroable::zeroed(); chunk];
-        let mut tmp = acc.clone();
+        // As in reduce_same_host: block r is reduced by rank r alone, into its own buffers
+        // (own values first, then each peer's in rank order), so no accumulator copy.
+        let mut tmp: Vec<T> = vec![bytemuck::Zeroable::zeroed(); chunk];
         let mut at = lo;
         while at < hi {
             let len = chunk.min(hi - at);
             let parts = pieces(&starts, at, at + len);
-            for p in 0..n {
+            for p in (0..n).filter(|&p| p != r) {
                 let mut filled = 0;
                 for &(i, off, plen) in &parts {
-                    let dst = &mut tmp[filled..filled + plen];
-                    if p == r {
-                        dst.copy_from_slice(&bufs[i][off..off + plen]);
-                    } else {
-                        let raw: &mut [u8] = bytemuck::cast_slice_mut(dst);
-                        if let Err(e) =
-                            crate::cma::read_remote(pids[p], addrs[p][i] + off * elem, raw)
-                        {
-                            return Err(self.fail(left_collective(p, "allreduce", &e)));
-                        }
+                    let raw: &mut [u8] = bytemuck::cast_slice_mut(&mut tmp[filled..filled + plen]);
+                    if let Err(e) = crate::cma::read_remote(pids[p], addrs[p][i] + off * elem, raw)
+                    {
+                        return Err(self.fail(left_collective(p, "allreduce", &e)));
                     }
                     filled += plen;
                 }
-                if p == 0 {
-                    acc[..len].copy_from_slice(&tmp[..len]);
-                } else {
-                    T::reduce_into(&mut acc[..len], &tmp[..len], op.combining());
+                let mut taken = 0;
+                for &(i, off, plen) in &parts {
+                    T::reduce_into(
+                        &mut bufs[i][off..off + plen],
+                        &tmp[taken..taken + plen],
+                        op.combining(),
+                    );
+                    taken += plen;
                 }
             }
             if op == ReduceOp::Average {
-                T::divide(&mut acc[..len], n);
-            }
-            let mut taken = 0;
-            for (i, off, plen) in parts {
-                bufs[i][off..off + plen].copy_from_slice(&acc[taken..taken + plen]);
-                taken += plen;
+                for &(i, off, plen) in &parts {
+                    T::divide(&mut bufs[i][off..off + plen], n);
+                }
             }
             at += len;
         }
