@@ -212,7 +212,11 @@ impl Communicator {
         let index = local_members.iter().position(|&r| r == me).unwrap_or(0);
         let cross_members: Vec<usize> = groups.iter().map(|g| g[index]).collect();
         let pids = local_members.iter().map(|&r| agreed.pids[r]).collect();
-        let local = self.sub(local_members, Some(pids))?;
+        let mut local = self.sub(local_members, Some(pids))?;
+        local.share_mailboxes().map_err(|source| CommError::Io {
+            context: "exchanging mailboxes with the ranks of this host".into(),
+            source,
+        })?;
         let cross = self.sub(&cross_members, None)?;
         self.hier = Some(Hierarchy {
             local: Box::new(local),
@@ -244,6 +248,81 @@ impl Communicator {
         let mut c = Self::from_streams(cfg, streams, Arc::clone(&self.shared));
         c.cma = cma;
         Ok(c)
+    }
+
+    /// Gives this (host) communicator a mailbox and learns its peers': every member sends
+    /// where its mailbox is to every other, then reads theirs. Members do this at the same
+    /// point of building the world, so nothing else is on these sockets meanwhile.
+    fn share_mailboxes(&mut self) -> std::io::Result<()> {
+        use std::io::{Read, Write};
+        let mailbox = Mailbox::new(self.cfg.small_bytes);
+        let own = Remote {
+            addr: mailbox.addr(),
+            stride: mailbox.stride_bytes(),
+            capacity: mailbox.capacity(),
+        };
+        let mut record = [0u8; 24];
+        for (i, v) in [own.addr, own.stride, own.capacity].into_iter().enumerate() {
+            record[8 * i..8 * i + 8].copy_from_slice(&(v as u64).to_le_bytes());
+        }
+        for w in self.writers.iter_mut().flatten() {
+            w.set_write_timeout(Some(self.cfg.connect_timeout))?;
+            w.write_all(&record)?;
+        }
+        let mut remotes = vec![own; self.size()];
+        for (j, r) in self.readers.iter_mut().enumerate() {
+            let Some(r) = r else { continue };
+            r.set_read_timeout(Some(self.cfg.connect_timeout))?;
+            let mut theirs = [0u8; 24];
+            r.read_exact(&mut theirs)?;
+            let field = |i: usize| {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(&theirs[8 * i..8 * i + 8]);
+                usize::try_from(u64::from_le_bytes(w)).unwrap_or(0)
+            };
+            remotes[j] = Remote {
+                addr: field(0),
+                stride: field(1),
+                capacity: field(2),
+            };
+        }
+        self.forget_timeouts();
+        let limit = remotes.iter().map(|m| m.capacity).min().unwrap_or(0);
+        self.mailbox = mailbox;
+        self.mail = Some((remotes, limit));
+        Ok(())
+    }
+
+    /// Fails call `kind` on every peer: this rank's part of it already failed (on its host),
+    /// so the peers get [`CommError::RemoteInvalid`] at their opening instead of waiting for
+    /// data that will not come. Returns this rank's own [`CommError::InvalidArgument`].
+    pub(crate) fn refuse(&mut self, kind: crate::wire::Kind, why: String) -> CommError {
+        let seq = match self.begin() {
+            Ok(seq) => seq,
+            Err(e) => return e,
+        };
+        let d = Descriptor {
+            kind,
+            dtype: None,
+            op: None,
+            root: 0,
+            seq,
+            count: 0,
+            row_len: 1,
+            payload_len: 0,
+            invalid: true,
+        };
+        match self.open(
+            d,
+            Err(why),
+            |_| (d, &[][..]),
+            |_, d, rd| discard(rd, d.payload_len),
+        ) {
+            Ok(_) => CommError::Broken {
+                cause: "a refused call was accepted".into(),
+            },
+            Err(e) => e,
+        }
     }
 
     /// Forgets which read timeouts are set: another communicator over the same sockets may
@@ -322,6 +401,11 @@ impl Communicator {
     /// Why this communicator can no longer be used, if it can't.
     pub fn broken_reason(&self) -> Option<&str> {
         self.broken.as_deref()
+    }
+
+    /// How many calls this communicator has started.
+    pub(crate) fn calls(&self) -> u64 {
+        self.seq
     }
 
     /// Starts a collective: refuses on a broken communicator, returns the call's number.

@@ -123,6 +123,29 @@ impl Communicator {
         let bytes = std::mem::size_of_val(buf);
         let mut mine = desc::<T>(kind, Some(op), seq, buf.len());
         mine.row_len = tensors as u64;
+        if let Some(mut h) = self
+            .hier
+            .take_if(|_| allgather && self.cfg.small_bytes >= bytes)
+        {
+            // Small, across hosts: on the host through the mailboxes, then across hosts; every
+            // cross group adds the same host sums in the same order, so all ranks agree.
+            h.local.forget_timeouts();
+            h.cross.forget_timeouts();
+            let done = match h.local.allreduce(buf, op.combining()) {
+                Err(e) if !e.is_fatal() => {
+                    h.cross.refuse(Kind::Allreduce, e.to_string());
+                    Err(e)
+                }
+                Err(e) => Err(e),
+                Ok(()) => h.cross.allreduce(buf, op.combining()),
+            };
+            if done.is_ok() && op == ReduceOp::Average {
+                T::divide(buf, n);
+            }
+            self.hier = Some(h);
+            self.forget_timeouts();
+            return done.map_err(|e| self.fail(e));
+        }
         if self.fits_mailbox(bytes) || self.is_small(bytes) {
             mine.payload_len = bytes as u64;
             let mut inbox: Vec<Vec<T>> = vec![Vec::new(); n];
@@ -210,7 +233,16 @@ impl Communicator {
                 cause: "same-host transfers are not set up".into(),
             }));
         };
-        self.reduce_same_host(Kind::Allreduce, buf, op, mine, &pids, true, Some(cross))
+        let before = cross.calls();
+        let done = self.reduce_same_host(Kind::Allreduce, buf, op, mine, &pids, true, Some(cross));
+        match done {
+            // Failed on this host before the hosts met: the other hosts must fail it too.
+            Err(e) if !e.is_fatal() && cross.calls() == before => {
+                cross.refuse(Kind::Allreduce, e.to_string());
+                Err(e)
+            }
+            other => other,
+        }
     }
 
     /// Reduce-scatter (and allgather) among ranks of one host, reading peers' buffers in place.

@@ -252,3 +252,40 @@ fn grouped_allreduce_layouts_must_agree() {
         assert!(matches!(r, Err(CommError::Mismatch { .. })), "{r:?}");
     }
 }
+
+/// Across hosts (hierarchical allreduce), a rank whose call differs fails it on every rank of
+/// every host, small or large, and the communicator goes on working.
+#[test]
+fn hierarchical_mismatches_fail_every_host_and_comm_survives() {
+    let ips = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
+    // (odd rank, its length, everyone else's length)
+    for (odd, theirs, others) in [
+        (2, 12, 10),
+        (3, 200_000, 10),
+        (1, 150_000, 200_000),
+        (0, 7, 90_000),
+    ] {
+        let out = world_on(
+            &ips,
+            |_| {},
+            |comm| {
+                assert!(comm.is_hierarchical());
+                let len = if comm.rank() == odd { theirs } else { others };
+                let err = comm
+                    .allreduce(&mut vec![1.0f32; len], ReduceOp::Sum)
+                    .unwrap_err();
+                let mut ok = vec![1i32; 70_000];
+                comm.allreduce(&mut ok, ReduceOp::Sum)
+                    .expect("allreduce after mismatch");
+                assert!(ok.iter().all(|&v| v == 4));
+                err
+            },
+        );
+        for (r, err) in out.iter().enumerate() {
+            assert!(
+                !err.is_fatal(),
+                "rank {odd} with {theirs}: rank {r} got {err}"
+            );
+        }
+    }
+}
