@@ -673,6 +673,7 @@ impl Communicator {
         self.posted = Some(d.seq);
         let mut descs = vec![d; n];
         let mut pending: Vec<usize> = (1..n).map(|k| (r + k) % n).collect();
+        let everyone = pending.clone();
         let started = std::time::Instant::now();
         let crowded = n > cores();
         let mut rounds = 0u32;
@@ -707,7 +708,13 @@ impl Communicator {
                 let waited = started.elapsed();
                 let gone = if self.shared.abort_reason().is_some() {
                     Some((pending[0], std::io::Error::other("aborted")))
-                } else if let Some(p) = self.closed_peer(&pending) {
+                } else if let Some(p) = self.closed_peer(if waited < Duration::from_secs(1) {
+                    &pending
+                } else {
+                    // A long wait may be a chain of ranks waiting on one that is gone: any
+                    // closed connection dooms the call.
+                    &everyone
+                }) {
                     let e = std::io::Error::new(
                         std::io::ErrorKind::UnexpectedEof,
                         "it closed its connection",
