@@ -654,6 +654,8 @@ struct Worker {
     stopping: bool,
     fusion: Vec<u64>,
     cache: Cache,
+    /// When this cycle's ops were agreed; they queue from then until each runs.
+    agreed: Instant,
 }
 
 impl Worker {
@@ -668,6 +670,7 @@ impl Worker {
             first_seen: HashMap::new(),
             stopping: false,
             fusion: Vec::new(),
+            agreed: Instant::now(),
         }
     }
 
@@ -862,6 +865,7 @@ impl Worker {
                 t.span(&r.name, &phase, r.submitted, now, "");
             }
         }
+        self.agreed = Instant::now();
         self.run_ready(&ready)?;
         Ok(true)
     }
@@ -923,6 +927,9 @@ impl Worker {
     /// engine.
     fn run_alone(&mut self, r: Request) -> Result<()> {
         let start = Instant::now();
+        if let Some(t) = &self.cfg.timeline {
+            t.span(&r.name, "QUEUE", self.agreed, start, "");
+        }
         let (name, coll, reply) = (r.name, r.coll, r.reply);
         match r.tensor.run(&mut self.comm, &coll) {
             Ok(out) => {
@@ -965,6 +972,11 @@ impl Worker {
     fn reduce_batch(&mut self, mut batch: Vec<Request>) -> Result<()> {
         let op = batch[0].allreduce_op().unwrap_or(ReduceOp::Sum);
         let start = Instant::now();
+        if let Some(t) = &self.cfg.timeline {
+            for r in &batch {
+                t.span(&r.name, "QUEUE", self.agreed, start, "");
+            }
+        }
         if batch.len() == 1 {
             batch[0].tensor.reduce(&mut self.comm, op)?;
             self.trace(&batch, "ALLREDUCE", start);

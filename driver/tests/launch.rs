@@ -435,7 +435,7 @@ fn the_timeline_records_every_rank_s_engine_ops() {
     let closed = format!("{}]", trace.trim_end().trim_end_matches(','));
     let events: Vec<serde_json::Value> = serde_json::from_str(&closed).expect("a JSON trace");
     for rank in [0, 1] {
-        for phase in ["NEGOTIATE_ALLREDUCE", "CYCLE"] {
+        for phase in ["NEGOTIATE_ALLREDUCE", "QUEUE", "CYCLE"] {
             assert!(
                 events
                     .iter()
