@@ -61,6 +61,9 @@ pub(crate) struct Agreement {
     pub(crate) hierarchical: bool,
     /// Every rank's mailbox for small messages (this rank's own included).
     pub(crate) mailboxes: Vec<crate::mailbox::Remote>,
+    /// Ranks running on this machine (same boot id), this one included, whatever host group
+    /// they belong to: how many share its cores.
+    pub(crate) machine_ranks: usize,
 }
 
 /// Agrees with every peer which ranks can use cross-memory attach. `host_of[j]` is rank `j`'s
@@ -92,6 +95,7 @@ pub(crate) fn negotiate(
         record[48 + 8 * i..56 + 8 * i].copy_from_slice(&(v as u64).to_le_bytes());
     }
     let mut mailboxes = vec![own; streams.len()];
+    let mut machine_ranks = 1;
     for s in streams.iter_mut().flatten() {
         s.set_read_timeout(Some(NEGOTIATE_TIMEOUT))?;
         s.write_all(&record)?;
@@ -119,6 +123,9 @@ pub(crate) fn negotiate(
             capacity: field(2),
         };
         let same_host = host_of[j] == host_of[rank];
+        if me.is_some_and(|b| b[..] == theirs[12..48]) {
+            machine_ranks += 1;
+        }
         if !(can[0] || (same_host && can[1])) {
             continue;
         }
@@ -161,5 +168,6 @@ pub(crate) fn negotiate(
         world,
         hierarchical: all,
         mailboxes,
+        machine_ranks,
     })
 }

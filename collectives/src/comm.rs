@@ -40,6 +40,8 @@ pub struct Communicator {
     mail: Option<(Vec<Remote>, usize)>,
     /// The last call this rank posted in its mailbox.
     posted: Option<u64>,
+    /// Ranks of the world running on this machine (they share its cores).
+    machine_ranks: usize,
 }
 
 /// The two communicators of a hierarchical allreduce, over the world's own sockets: the ranks
@@ -152,6 +154,7 @@ impl Communicator {
         let mut comm = Self::from_streams(cfg, streams, Arc::new(Shared::default()));
         comm.cma = agreed.world.then(|| agreed.pids.clone());
         comm.mailbox = mailbox;
+        comm.machine_ranks = agreed.machine_ranks;
         if agreed.world {
             let limit = agreed
                 .mailboxes
@@ -247,6 +250,7 @@ impl Communicator {
         }
         let mut c = Self::from_streams(cfg, streams, Arc::clone(&self.shared));
         c.cma = cma;
+        c.machine_ranks = self.machine_ranks;
         Ok(c)
     }
 
@@ -372,6 +376,7 @@ impl Communicator {
             mailbox: Mailbox::new(0),
             mail: None,
             posted: None,
+            machine_ranks: 1,
         }
     }
 
@@ -675,7 +680,8 @@ impl Communicator {
         let mut pending: Vec<usize> = (1..n).map(|k| (r + k) % n).collect();
         let everyone = pending.clone();
         let started = std::time::Instant::now();
-        let crowded = n > cores();
+        // Ranks of other host groups may share this machine's cores too.
+        let crowded = n.max(self.machine_ranks) > cores();
         let mut rounds = 0u32;
         loop {
             let mut i = 0;
