@@ -56,12 +56,14 @@ fn main() -> anyhow::Result<()> {
     hvd::init().context("hvd::init")?;
     let t = hvd::topology()?;
     let me = |on: Option<usize>| on.is_none_or(|r| r == t.rank);
+    let hierarchical = hvd::with_communicator(|c| Ok(c.is_hierarchical()))?;
     println!(
         "{}",
         serde_json::json!({
             "event": "topology", "rank": t.rank, "size": t.size, "local_rank": t.local_rank,
             "local_size": t.local_size, "cross_rank": t.cross_rank, "cross_size": t.cross_size,
             "homogeneous": t.homogeneous, "pid": std::process::id(),
+            "hierarchical": hierarchical,
             "hostname": std::env::var("HOROVOD_HOSTNAME").unwrap_or_default(),
         })
     );

@@ -51,12 +51,18 @@ fn alive(pid: i32) -> bool {
         .unwrap_or(false)
 }
 
-fn pids_in(stdout: &str) -> Vec<i32> {
+fn topologies(stdout: &str) -> Vec<serde_json::Value> {
     stdout
         .lines()
         .filter_map(|l| l.split_once(":{").map(|(_, j)| format!("{{{j}")))
         .filter_map(|j| serde_json::from_str::<serde_json::Value>(&j).ok())
         .filter(|v| v["event"] == "topology")
+        .collect()
+}
+
+fn pids_in(stdout: &str) -> Vec<i32> {
+    topologies(stdout)
+        .iter()
         .filter_map(|v| v["pid"].as_i64())
         .map(|p| p as i32)
         .collect()
@@ -481,4 +487,58 @@ fn a_process_set_reduces_among_its_members_only() {
     let mut sums = sums;
     sums.sort_unstable();
     assert_eq!(sums, vec![(0, 2), (2, 2)], "{stdout}");
+}
+
+/// Two local hosts of two ranks each run allreduce hierarchically unless told not to; uneven
+/// hosts cannot, even when asked (a warning says why), and the job still succeeds.
+#[test]
+fn hierarchical_allreduce_follows_placement_and_flags() {
+    let probe = probe();
+    for (hosts, flag, want) in [
+        ("127.0.0.2:2,127.0.0.3:2", None, true),
+        (
+            "127.0.0.2:2,127.0.0.3:2",
+            Some("--no-hierarchical-allreduce"),
+            false,
+        ),
+        (
+            "127.0.0.2:2,127.0.0.3:1",
+            Some("--hierarchical-allreduce"),
+            false,
+        ),
+    ] {
+        let np = if want || flag == Some("--no-hierarchical-allreduce") {
+            "4"
+        } else {
+            "3"
+        };
+        let mut args = vec!["-np", np, "-H", hosts];
+        args.extend(flag);
+        args.push(&probe);
+        let out = run(&args);
+        let (so, se) = (text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "{hosts} {flag:?}: {se}");
+        let modes: Vec<bool> = topologies(&so)
+            .iter()
+            .filter_map(|v| v["hierarchical"].as_bool())
+            .collect();
+        assert_eq!(modes.len(), np.parse::<usize>().unwrap(), "{so}");
+        assert!(
+            modes.iter().all(|&m| m == want),
+            "{hosts} {flag:?}: {modes:?}"
+        );
+    }
+    let out = run(&["-np", "1", "-H", "127.0.0.2:1", &probe]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let bad = horovodrun()
+        .env("HOROVOD_HIERARCHICAL_ALLREDUCE", "sometimes")
+        .args(["-np", "2", "-H", "127.0.0.2:2", &probe])
+        .output()
+        .expect("run horovodrun");
+    assert!(!bad.status.success());
+    assert!(
+        text(&bad.stderr).contains("HOROVOD_HIERARCHICAL_ALLREDUCE"),
+        "{}",
+        text(&bad.stderr)
+    );
 }
