@@ -90,7 +90,30 @@ pub fn render(p: &Published) -> String {
             .collect(),
         resets: s.resets,
     };
-    serde_json::to_string(&body).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    serde_json::to_string(&body).unwrap_or_else(|e| error_body(&e.to_string()))
+}
+
+/// A JSON error document `{"error": why}`, escaped whatever `why` holds.
+fn error_body(why: &str) -> String {
+    serde_json::json!({ "error": why }).to_string()
+}
+
+/// The status line, extra headers and body answering `req`.
+fn reply(req: Request, state: &Published) -> (&'static str, &'static str, String) {
+    match req {
+        Request::Status => ("200 OK", "", render(state)),
+        Request::NotFound(path) => (
+            "404 Not Found",
+            "",
+            error_body(&format!("no such path: {path}; try /status")),
+        ),
+        Request::NotAllowed(m) => (
+            "405 Method Not Allowed",
+            "Allow: GET\r\n",
+            error_body(&format!("method {m} not allowed; use GET")),
+        ),
+        Request::Bad => ("400 Bad Request", "", error_body("not an HTTP/1.x request")),
+    }
 }
 
 /// What a request head asks for.
@@ -164,30 +187,7 @@ async fn answer(mut stream: TcpStream, state: &watch::Receiver<Published>) -> st
     tokio::time::timeout(READ_TIMEOUT, read)
         .await
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no request in time"))??;
-    let (status, extra, body) = match parse(&head) {
-        Request::Status => ("200 OK", "", render(&state.borrow())),
-        Request::NotFound(path) => (
-            "404 Not Found",
-            "",
-            format!(
-                "{{\"error\":\"no such path: {}; try /status\"}}",
-                path.escape_default()
-            ),
-        ),
-        Request::NotAllowed(m) => (
-            "405 Method Not Allowed",
-            "Allow: GET\r\n",
-            format!(
-                "{{\"error\":\"method {} not allowed; use GET\"}}",
-                m.escape_default()
-            ),
-        ),
-        Request::Bad => (
-            "400 Bad Request",
-            "",
-            "{\"error\":\"not an HTTP/1.x request\"}".to_string(),
-        ),
-    };
+    let (status, extra, body) = reply(parse(&head), &state.borrow());
     let response = format!(
         "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
          {extra}Connection: close\r\n\r\n{body}",
@@ -219,6 +219,54 @@ mod tests {
         );
         assert_eq!(parse(b"hello\r\n\r\n"), Request::Bad);
         assert_eq!(parse(b"GET /status SMTP\r\n\r\n"), Request::Bad);
+    }
+
+    fn published() -> Published {
+        Published {
+            snapshot: Snapshot {
+                phase: JobPhase::Running,
+                generation: 1,
+                workers: 1,
+                hosts: vec![("h\u{e9}".into(), 1)],
+                blacklisted: vec![],
+                resets: 0,
+            },
+            epoch: UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn error_bodies_are_json_whatever_the_path_or_method() {
+        let p = published();
+        let (status, _, body) = reply(
+            parse("GET /caf\u{e9}\"\\\t HTTP/1.1\r\n\r\n".as_bytes()),
+            &p,
+        );
+        assert_eq!(status, "404 Not Found");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            v["error"], "no such path: /caf\u{e9}\"\\\t; try /status",
+            "{body}"
+        );
+        let (status, extra, body) =
+            reply(parse("PÖST\u{1} /status HTTP/1.1\r\n\r\n".as_bytes()), &p);
+        assert_eq!(
+            (status, extra),
+            ("405 Method Not Allowed", "Allow: GET\r\n")
+        );
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            v["error"], "method P\u{d6}ST\u{1} not allowed; use GET",
+            "{body}"
+        );
+        let (status, _, body) = reply(Request::Bad, &p);
+        assert_eq!(status, "400 Bad Request");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"], "not an HTTP/1.x request");
+        let (status, _, body) = reply(Request::Status, &p);
+        assert_eq!(status, "200 OK");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["hosts"][0]["host"], "h\u{e9}");
     }
 
     #[test]
