@@ -4,12 +4,13 @@
 use std::time::Duration;
 
 use hvd_rendezvous::{MAX_LINE, ProtocolError, decode_line, encode_line};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
-use crate::auth;
+use crate::lines::{Line, LineReader};
 use crate::proto::{FromAgent, ToAgent};
+use crate::{auth, net};
 
 /// Why talking to an agent failed; every variant names the agent's address.
 #[derive(Debug, thiserror::Error)]
@@ -93,8 +94,7 @@ pub enum AgentError {
 #[derive(Debug)]
 pub struct Events {
     addr: String,
-    reader: BufReader<OwnedReadHalf>,
-    buf: Vec<u8>,
+    reader: LineReader<OwnedReadHalf>,
 }
 
 /// Requests to one agent.
@@ -132,11 +132,13 @@ async fn handshake(addr: &str, secret: &str) -> Result<(Events, Requests), Agent
             source,
         })?;
     let _ = stream.set_nodelay(true);
+    if let Err(e) = net::keepalive(&stream) {
+        tracing::warn!(%addr, error = %e, "cannot turn on TCP keepalive");
+    }
     let (r, w) = stream.into_split();
     let mut events = Events {
         addr: addr.to_string(),
-        reader: BufReader::new(r),
-        buf: Vec::new(),
+        reader: LineReader::new(r),
     };
     let mut requests = Requests {
         addr: addr.to_string(),
@@ -169,27 +171,29 @@ async fn handshake(addr: &str, secret: &str) -> Result<(Events, Requests), Agent
 impl Events {
     /// The next message; `None` when the agent closed the connection.
     ///
+    /// Cancel safe: dropped before it completes (another `select!` branch won), it keeps
+    /// what it read of a message, and the next call returns that message whole.
+    ///
     /// # Errors
     /// A failed read or a line that is not a message.
     pub async fn next(&mut self) -> Result<Option<FromAgent>, AgentError> {
-        self.buf.clear();
-        let n = (&mut self.reader)
-            .take(MAX_LINE as u64 + 1)
-            .read_until(b'\n', &mut self.buf)
+        let line = self
+            .reader
+            .next(MAX_LINE)
             .await
             .map_err(|source| AgentError::Io {
                 addr: self.addr.clone(),
                 source,
             })?;
-        if n == 0 {
-            return Ok(None);
+        let malformed = |source| AgentError::Malformed {
+            addr: self.addr.clone(),
+            source,
+        };
+        match line {
+            Line::Eof => Ok(None),
+            Line::TooLong(n) => Err(malformed(ProtocolError::TooLong(n))),
+            Line::Full(buf) => decode_line(buf).map(Some).map_err(malformed),
         }
-        decode_line(&self.buf)
-            .map(Some)
-            .map_err(|source| AgentError::Malformed {
-                addr: self.addr.clone(),
-                source,
-            })
     }
 
     /// The agent's address.

@@ -7,6 +7,8 @@
 //! - [`serve`]: the agent's server. Processes run in their own process groups; when the
 //!   connection that started them ends, they are stopped, so a dead driver leaves no orphans.
 //! - [`connect`]: the driver's client, returning the two halves of an authenticated connection.
+//!   [`Events::next`] is cancel safe, so it can wait in a `select!` beside other work.
+//! - [`reap_orphans`]: for an agent that is PID 1, reaping the orphans it inherits.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), hvd_agent::AgentError> {
@@ -27,12 +29,16 @@
 
 pub mod auth;
 mod client;
+mod lines;
+mod net;
 pub mod proto;
+mod reaper;
 mod server;
 
 pub use client::{AgentError, Events, Requests, connect};
 pub use proto::{FromAgent, Stream, ToAgent};
-pub use server::serve;
+pub use reaper::reap_orphans;
+pub use server::{Limits, serve, serve_with_limits};
 
 /// Environment variable holding the secret shared by the driver and its agents.
 pub const ENV_AGENT_SECRET: &str = "HVD_AGENT_SECRET";

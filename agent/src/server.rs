@@ -2,7 +2,7 @@
 //! processes they ask for, and streams back their output and exits. Every process belongs to
 //! the connection that started it: when that connection ends, for whatever reason, its
 //! processes are stopped (SIGTERM to the group, SIGKILL after a grace), so a dead driver leaves
-//! no orphans behind.
+//! no orphans behind. When a process's leader ends, whatever is left of its group is killed.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -20,18 +20,25 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufRead
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::Command;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 
 use crate::auth;
+use crate::lines::{Line, LineReader};
 use crate::proto::{FromAgent, Stream, ToAgent};
+use crate::{net, reaper};
 
 /// How long a new connection has to answer the challenge.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Grace between SIGTERM and SIGKILL when a connection's processes are stopped.
 const TERM_GRACE: Duration = Duration::from_millis(1000);
-/// How long output still drains after a process exited (a child it left may hold the pipe).
+/// How long the output pipes of a process that exited may keep the agent waiting for more
+/// (or their end): its group is killed then, so only a process that left the group can hold
+/// them open. Time spent waiting for the driver to take the output does not count.
 const DRAIN: Duration = Duration::from_millis(500);
+/// Longest line accepted before authentication: the answer to the challenge is far shorter.
+const AUTH_MAX_LINE: usize = 4096;
 /// Messages queued for one driver before the processes' output waits for it.
 const OUT_QUEUE: usize = 1024;
 /// Longest output line sent as one message; longer lines are split.
@@ -42,20 +49,72 @@ const MIN_NONCE: usize = 16;
 /// Environment variables the agent keeps from the processes it starts.
 const PRIVATE_ENV: &[&str] = &[crate::ENV_AGENT_SECRET];
 
+/// How many connections an agent serves at once, so that a flood of them (before or after
+/// authentication) can't exhaust its file descriptors or memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections open at once, authenticated or not; more are closed as they arrive.
+    pub connections: usize,
+    /// Connections still authenticating at once; more are refused as they arrive.
+    pub unauthenticated: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            connections: 256,
+            unauthenticated: 16,
+        }
+    }
+}
+
 /// Serves driver connections on `listener` until `shutdown` completes; then stops every
-/// process of every connection and returns.
+/// process of every connection and returns. [`Limits::default`] bounds the connections.
 pub async fn serve(listener: TcpListener, secret: String, shutdown: impl Future<Output = ()>) {
+    serve_with_limits(listener, secret, Limits::default(), shutdown).await;
+}
+
+/// [`serve`] with the given connection limits.
+pub async fn serve_with_limits(
+    listener: TcpListener,
+    secret: String,
+    limits: Limits,
+    shutdown: impl Future<Output = ()>,
+) {
     let secret = Arc::new(secret);
     let (stop_tx, stop_rx) = watch::channel(false);
+    let open = Arc::new(Semaphore::new(limits.connections));
+    let authenticating = Arc::new(Semaphore::new(limits.unauthenticated));
+    let mut full_warned = false;
     let mut conns = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             () = &mut shutdown => break,
             acc = listener.accept() => match acc {
-                Ok((stream, peer)) => {
-                    conns.spawn(connection(stream, peer, secret.clone(), stop_rx.clone()));
-                }
+                Ok((stream, peer)) => match open.clone().try_acquire_owned() {
+                    Ok(slot) => {
+                        full_warned = false;
+                        conns.spawn(connection(
+                            stream,
+                            peer,
+                            secret.clone(),
+                            stop_rx.clone(),
+                            (slot, authenticating.clone()),
+                        ));
+                    }
+                    Err(_) => {
+                        if !full_warned {
+                            tracing::warn!(
+                                %peer,
+                                limit = limits.connections,
+                                "too many connections; closing new ones until some end"
+                            );
+                            full_warned = true;
+                        }
+                        drop(stream);
+                    }
+                },
                 Err(e) => {
                     tracing::warn!(error = %e, "accepting a connection failed");
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -82,19 +141,30 @@ struct Proc {
     done: watch::Receiver<bool>,
 }
 
+/// One driver connection: its slot among the open ones (held until it ends), and the
+/// semaphore of the connections still authenticating.
+type Slots = (OwnedSemaphorePermit, Arc<Semaphore>);
+
 async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     secret: Arc<String>,
     mut stop: watch::Receiver<bool>,
+    (_open, authenticating): Slots,
 ) {
     let _ = stream.set_nodelay(true);
+    if let Err(e) = net::keepalive(&stream) {
+        tracing::warn!(%peer, error = %e, "cannot turn on TCP keepalive");
+    }
     let (r, w) = stream.into_split();
     let (out, out_rx) = mpsc::channel::<FromAgent>(OUT_QUEUE);
     let writer = tokio::spawn(write_loop(w, out_rx));
-    let mut reader = BufReader::new(r);
-    let mut buf = Vec::new();
-    if let Err(reason) = handshake(&mut reader, &mut buf, &out, &secret).await {
+    let mut reader = LineReader::new(r);
+    let refused = match authenticating.try_acquire_owned() {
+        Ok(_slot) => handshake(&mut reader, &out, &secret).await.err(),
+        Err(_) => Some("too many connections authenticating at once; try again".to_string()),
+    };
+    if let Some(reason) = refused {
         tracing::warn!(%peer, %reason, "driver connection refused");
         let _ = out.send(FromAgent::Refused { reason }).await;
         drop(out);
@@ -105,15 +175,16 @@ async fn connection(
     let mut procs: HashMap<u64, Proc> = HashMap::new();
     let (done_tx, mut done_rx) = mpsc::channel::<u64>(64);
     loop {
+        // `next` is cancel safe: a request half received when a process ends is kept.
         tokio::select! {
-            n = read_line(&mut reader, &mut buf) => match n {
-                Ok(0) => { tracing::info!(%peer, "driver disconnected"); break; }
+            line = reader.next(MAX_LINE) => match line {
+                Ok(Line::Eof) => { tracing::info!(%peer, "driver disconnected"); break; }
                 Err(e) => { tracing::warn!(%peer, error = %e, "driver connection failed"); break; }
-                Ok(_) if buf.len() > MAX_LINE => {
-                    tracing::warn!(%peer, bytes = buf.len(), "request too long; connection closed");
+                Ok(Line::TooLong(bytes)) => {
+                    tracing::warn!(%peer, bytes, "request too long; connection closed");
                     break;
                 }
-                Ok(_) => match decode_line::<ToAgent>(&buf) {
+                Ok(Line::Full(buf)) => match decode_line::<ToAgent>(buf) {
                     Ok(req) => request(req, &mut procs, &out, &done_tx).await,
                     Err(e) => {
                         tracing::warn!(%peer, error = %e, "bad request");
@@ -139,11 +210,6 @@ async fn connection(
     }
 }
 
-async fn read_line(r: &mut BufReader<OwnedReadHalf>, buf: &mut Vec<u8>) -> std::io::Result<usize> {
-    buf.clear();
-    r.take(MAX_LINE as u64 + 1).read_until(b'\n', buf).await
-}
-
 async fn write_loop(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<FromAgent>) {
     while let Some(msg) = rx.recv().await {
         let line = match encode_line(&msg) {
@@ -161,8 +227,7 @@ async fn write_loop(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<FromAgent>) {
 
 /// Challenges the driver and answers its challenge; `Err` says why it is refused.
 async fn handshake(
-    reader: &mut BufReader<OwnedReadHalf>,
-    buf: &mut Vec<u8>,
+    reader: &mut LineReader<OwnedReadHalf>,
     out: &mpsc::Sender<FromAgent>,
     secret: &str,
 ) -> Result<(), String> {
@@ -172,13 +237,19 @@ async fn handshake(
     })
     .await
     .map_err(|_| "connection closed".to_string())?;
-    let n = tokio::time::timeout(AUTH_TIMEOUT, read_line(reader, buf))
+    let line = tokio::time::timeout(AUTH_TIMEOUT, reader.next(AUTH_MAX_LINE))
         .await
         .map_err(|_| format!("no answer to the challenge within {AUTH_TIMEOUT:?}"))?
         .map_err(|e| e.to_string())?;
-    if n == 0 {
-        return Err("closed before authenticating".into());
-    }
+    let buf = match line {
+        Line::Full(buf) => buf,
+        Line::Eof => return Err("closed before authenticating".into()),
+        Line::TooLong(_) => {
+            return Err(format!(
+                "a line longer than {AUTH_MAX_LINE} bytes before authentication"
+            ));
+        }
+    };
     let (mac, theirs) = match decode_line::<ToAgent>(buf) {
         Ok(ToAgent::Auth { mac, nonce }) => (mac, nonce),
         Ok(_) => return Err("a request before authentication".into()),
@@ -238,8 +309,9 @@ async fn request(
     }
 }
 
-/// SIGTERM to the process group now and SIGKILL after `grace`, unless it ended (SIGKILL at
-/// once for no grace).
+/// SIGTERM to the process group now and SIGKILL after `grace` unless the leader ended by
+/// then (SIGKILL at once for no grace). When the leader ends, its task kills the rest of the
+/// group, so nothing that ignored the SIGTERM stays behind.
 fn stop(id: u64, p: &Proc, grace: Duration) {
     let pid = p.pid;
     if grace.is_zero() {
@@ -325,20 +397,38 @@ fn start(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut child = cmd.spawn().map_err(|e| format!("{program}: {e}"))?;
-    let pid = child
-        .id()
-        .and_then(|p| i32::try_from(p).ok())
-        .ok_or_else(|| format!("{program}: exited before its pid was known"))?;
+    let (mut child, pid) = {
+        // Registered before the orphan reaper can see it exit, so only its task reaps it.
+        let mut own = reaper::children();
+        let child = cmd.spawn().map_err(|e| format!("{program}: {e}"))?;
+        let pid = child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .ok_or_else(|| format!("{program}: exited before its pid was known"))?;
+        own.insert(pid);
+        (child, pid)
+    };
     tracing::info!(id, pid, %program, "process started");
+    let (done_set, done) = watch::channel(false);
     let mut relays = Vec::new();
     if let Some(o) = child.stdout.take() {
-        relays.push(tokio::spawn(relay(id, Stream::Stdout, o, out.clone())));
+        relays.push(tokio::spawn(relay(
+            id,
+            Stream::Stdout,
+            o,
+            out.clone(),
+            done.clone(),
+        )));
     }
     if let Some(e) = child.stderr.take() {
-        relays.push(tokio::spawn(relay(id, Stream::Stderr, e, out.clone())));
+        relays.push(tokio::spawn(relay(
+            id,
+            Stream::Stderr,
+            e,
+            out.clone(),
+            done.clone(),
+        )));
     }
-    let (done_set, done) = watch::channel(false);
     let (out, done_tx) = (out.clone(), done_tx.clone());
     tokio::spawn(async move {
         let (code, signal) = match child.wait().await {
@@ -348,15 +438,17 @@ fn start(
                 (None, None)
             }
         };
+        reaper::children().remove(&pid);
+        // Whatever it left behind in its group goes with it: a child that ignored SIGTERM, a
+        // background job. Nothing would signal that group again (the driver only knows
+        // the leader), and it would keep the output pipes open.
+        signal_group(pid, Signal::SIGKILL);
         let _ = done_set.send(true);
         tracing::info!(id, pid, ?code, ?signal, "process exited");
+        // Every line it wrote goes out before its exit, however long the driver takes to
+        // read them: a crash's last lines are the ones that say why.
         for r in relays {
-            if tokio::time::timeout(DRAIN, r).await.is_err() {
-                tracing::debug!(
-                    id,
-                    "output still open after exit (a child holds it); not waiting"
-                );
-            }
+            let _ = r.await;
         }
         let _ = out.send(FromAgent::Exited { id, code, signal }).await;
         let _ = done_tx.send(id).await;
@@ -364,35 +456,82 @@ fn start(
     Ok(Proc { pid, done })
 }
 
-/// Sends each line of one pipe of process `id` to the driver.
+/// What one wait of an output relay ended with.
+enum Step {
+    /// A read returned (0 at the end of the pipe).
+    Read(std::io::Result<usize>),
+    /// The process exited while the relay was waiting for output.
+    Exited,
+    /// The pipe stayed open longer than [`DRAIN`] after the exit.
+    Drained,
+}
+
+/// Sends each line of one pipe of process `id` to the driver, until the pipe closes or,
+/// once `exited` is set, until the pipe has kept it waiting for [`DRAIN`] in all.
 async fn relay(
     id: u64,
     stream: Stream,
     pipe: impl AsyncRead + Unpin,
     out: mpsc::Sender<FromAgent>,
+    mut exited: watch::Receiver<bool>,
 ) {
     let mut r = BufReader::new(pipe);
     let mut buf = Vec::new();
+    let mut draining = *exited.borrow();
+    let mut wait_left = DRAIN;
     loop {
-        buf.clear();
-        match (&mut r)
-            .take(MAX_OUTPUT_LINE as u64)
-            .read_until(b'\n', &mut buf)
-            .await
-        {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
+        // `read_until` keeps what it read in `buf` when cancelled, so a line cut by the exit
+        // or the drain limit is still sent.
+        let room = MAX_OUTPUT_LINE.saturating_sub(buf.len()) as u64;
+        let mut limited = (&mut r).take(room);
+        let read = limited.read_until(b'\n', &mut buf);
+        let step = if draining {
+            let t = Instant::now();
+            let step = match tokio::time::timeout(wait_left, read).await {
+                Ok(n) => Step::Read(n),
+                Err(_) => Step::Drained,
+            };
+            wait_left = wait_left.saturating_sub(t.elapsed());
+            step
+        } else {
+            tokio::select! {
+                n = read => Step::Read(n),
+                _ = exited.wait_for(|d| *d) => Step::Exited,
+            }
+        };
+        let last = match step {
+            Step::Exited => {
+                draining = true;
+                continue;
+            }
+            Step::Read(Ok(0)) | Step::Read(Err(_)) => true,
+            Step::Read(Ok(_)) => false,
+            Step::Drained => {
+                tracing::debug!(
+                    id,
+                    ?stream,
+                    "output still open after the exit (a process outside its group holds it); \
+                     not waiting"
+                );
+                true
+            }
+        };
+        if !buf.is_empty() {
+            if buf.ends_with(b"\n") {
+                buf.pop();
+            }
+            let line = String::from_utf8_lossy(&buf).into_owned();
+            buf.clear();
+            if out
+                .send(FromAgent::Output { id, stream, line })
+                .await
+                .is_err()
+            {
+                return; // the connection is gone; its processes are being stopped
+            }
         }
-        if buf.ends_with(b"\n") {
-            buf.pop();
-        }
-        let line = String::from_utf8_lossy(&buf).into_owned();
-        if out
-            .send(FromAgent::Output { id, stream, line })
-            .await
-            .is_err()
-        {
-            return; // the connection is gone; its processes are being stopped
+        if last {
+            return;
         }
     }
 }
