@@ -5,6 +5,7 @@
 //! the lease is lost".
 
 use std::future::Future;
+use std::time::Duration;
 
 use tokio::sync::watch;
 
@@ -41,6 +42,51 @@ pub async fn while_leader<F: Future<Output = ()>>(
             Leadership::Lost
         }
     }
+}
+
+/// How long [`lead`] waits for the lease manager to wind down once nothing watches it.
+pub const MANAGER_STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs `work` under [`while_leader`] until it ends, the lease is lost, or `stop` resolves; then
+/// drops every receiver of `leading` so that the lease manager (`manager`, whose task ends once
+/// nothing watches its channel) finishes, and returns its output.
+///
+/// After `stop`, a leading `work` gets up to `grace` to finish. The manager's output is `None`
+/// when it did not end within [`MANAGER_STOP_TIMEOUT`].
+pub async fn lead<W, S, M>(
+    leading: watch::Receiver<bool>,
+    manager: M,
+    work: W,
+    stop: S,
+    grace: Duration,
+) -> (Leadership, Option<M::Output>)
+where
+    W: Future<Output = ()>,
+    S: Future<Output = ()>,
+    M: Future,
+{
+    // Boxed rather than pinned on the stack, so that it (and its receiver) can be dropped below.
+    let mut election = Box::pin(while_leader(leading.clone(), work));
+    let outcome = tokio::select! {
+        o = &mut election => o,
+        () = stop => {
+            // A leading controller stops on the same signal: let it finish its reconciles.
+            if *leading.borrow() {
+                tokio::time::timeout(grace, &mut election)
+                    .await
+                    .unwrap_or(Leadership::WorkEnded)
+            } else {
+                Leadership::WorkEnded
+            }
+        }
+    };
+    drop(election);
+    drop(leading);
+    let ended = tokio::time::timeout(MANAGER_STOP_TIMEOUT, manager).await;
+    if ended.is_err() {
+        tracing::warn!("the lease manager did not stop");
+    }
+    (outcome, ended.ok())
 }
 
 #[cfg(test)]
@@ -84,6 +130,68 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(end, Leadership::Lost);
+    }
+
+    /// A stand-in for the lease manager's task: it ends only once every receiver is gone.
+    fn manager() -> (watch::Receiver<bool>, impl Future<Output = &'static str>) {
+        let (tx, rx) = watch::channel(false);
+        (rx, async move {
+            tx.closed().await;
+            "released"
+        })
+    }
+
+    #[tokio::test]
+    async fn stopping_before_leading_ends_the_manager() {
+        let (rx, task) = manager();
+        let task = tokio::spawn(task);
+        let run = lead(
+            rx,
+            async { task.await.unwrap() },
+            std::future::pending::<()>(),
+            async {},
+            Duration::from_secs(20),
+        );
+        let (end, released) = tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .expect("shutdown hung");
+        assert_eq!(end, Leadership::WorkEnded);
+        assert_eq!(
+            released,
+            Some("released"),
+            "the manager never saw the receivers go"
+        );
+    }
+
+    #[tokio::test]
+    async fn stopping_while_leading_lets_the_work_finish_then_ends_the_manager() {
+        let (tx, rx) = watch::channel(true);
+        let finished = Arc::new(AtomicBool::new(false));
+        let f = finished.clone();
+        let (stop_tx, mut stop_rx) = watch::channel(false);
+        let mut work_stop = stop_rx.clone();
+        let work = async move {
+            let _ = work_stop.wait_for(|s| *s).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            f.store(true, Ordering::SeqCst);
+        };
+        let stop = async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+        };
+        let manager = async move {
+            tx.closed().await;
+            "released"
+        };
+        let run = tokio::spawn(lead(rx, manager, work, stop, Duration::from_secs(20)));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        stop_tx.send(true).unwrap();
+        let (end, released) = tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .expect("shutdown hung")
+            .unwrap();
+        assert_eq!(end, Leadership::WorkEnded);
+        assert!(finished.load(Ordering::SeqCst), "the work was cut short");
+        assert_eq!(released, Some("released"));
     }
 
     #[tokio::test]

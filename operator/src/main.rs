@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use hvd_operator::leader::{Leadership, while_leader};
+use hvd_operator::leader::{Leadership, lead};
 use hvd_operator::reconcile::{Context, run};
 use kube::Client;
 use kube_lease_manager::LeaseManagerBuilder;
@@ -150,31 +150,18 @@ async fn operate(cli: Cli) -> anyhow::Result<()> {
     })?;
     let (leading, task) = manager.watch().await;
     tracing::info!(lease = %cli.lease_name, namespace = ?cli.namespace, "hvd-operator waiting for the lease");
-    let election = while_leader(leading.clone(), controller);
-    tokio::pin!(election);
-    let outcome = tokio::select! {
-        o = &mut election => o,
-        () = stopped(stop_rx) => {
-            // A leading controller stops on the same signal: let it finish its reconciles.
-            if *leading.borrow() {
-                tokio::time::timeout(SHUTDOWN_GRACE, &mut election)
-                    .await
-                    .unwrap_or(Leadership::WorkEnded)
-            } else {
-                Leadership::WorkEnded
-            }
-        }
-    };
-    drop(leading);
-    // Dropping the receivers ends the manager's task; give the lease back for a fast handover.
-    match task.await {
-        Ok(Ok(manager)) => {
+    let (outcome, manager) =
+        lead(leading, task, controller, stopped(stop_rx), SHUTDOWN_GRACE).await;
+    // Give the lease back for a fast handover.
+    match manager {
+        Some(Ok(Ok(manager))) => {
             if let Err(e) = manager.release().await {
                 tracing::warn!(error = %e, "cannot release the lease");
             }
         }
-        Ok(Err(e)) => tracing::warn!(error = %e, "the lease manager failed"),
-        Err(e) => tracing::warn!(error = %e, "the lease manager task failed"),
+        Some(Ok(Err(e))) => tracing::warn!(error = %e, "the lease manager failed"),
+        Some(Err(e)) => tracing::warn!(error = %e, "the lease manager task failed"),
+        None => {}
     }
     match outcome {
         Leadership::WorkEnded => Ok(()),
