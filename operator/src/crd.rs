@@ -5,7 +5,7 @@
 //! columns and the scale subresource all live here.
 
 use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -14,6 +14,10 @@ use serde::{Deserialize, Serialize};
 pub const GROUP: &str = "hvd.dev";
 /// The longest job name: worker pod names (`<job>-worker-<n>`) must stay valid DNS labels.
 pub const MAX_JOB_NAME_LEN: usize = 45;
+/// The most worker pods a job may ask for (the schema's `maximum` of min/maxReplicas).
+pub const MAX_REPLICAS: i32 = 4096;
+/// The most training processes per worker pod (the schema's `maximum` of slotsPerWorker).
+pub const MAX_SLOTS_PER_WORKER: i32 = 256;
 
 /// What the job runs and how far it may shrink and grow.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -51,17 +55,17 @@ pub struct ElasticJobSpec {
     #[x_kube(validation = Rule::new("size(self) >= 1").message("spec.command must name a program"))]
     pub command: Vec<String>,
     /// The fewest worker pods the job trains with.
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_REPLICAS))]
     pub min_replicas: i32,
     /// The most worker pods the job grows to.
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_REPLICAS))]
     pub max_replicas: i32,
     /// Worker pods wanted now, within [minReplicas, maxReplicas]; defaults to maxReplicas. The scale subresource sets it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<i32>,
     /// Training processes per worker pod (one per GPU).
     #[serde(default = "one")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_SLOTS_PER_WORKER))]
     pub slots_per_worker: i32,
     /// Compute resources of each worker pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -163,6 +167,10 @@ pub struct ElasticJobStatus {
     /// Hosts the driver keeps out of the job.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub blacklisted: Vec<String>,
+    /// When the operator first saw each of the driver's blacklist entries. With pod IPs as host
+    /// names, a pod created after its entry holds a recycled IP, not the blacklisted host.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub blacklist_seen: Vec<BlacklistSeen>,
     /// Latest observations of the job's state (`Ready`, `DriverReachable`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
@@ -172,6 +180,20 @@ pub struct ElasticJobStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+}
+
+/// One blacklist entry of the driver and when the operator first saw it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BlacklistSeen {
+    /// The host as the driver named it.
+    pub host: String,
+    /// The end of its cooldown as the driver reported it (Unix ms); absent when out for good. A
+    /// new end means a new failure, hence a new entry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until_ms: Option<u64>,
+    /// When the operator first saw the entry.
+    pub since: Time,
 }
 
 impl ElasticJobSpec {
@@ -264,5 +286,25 @@ mod tests {
             yaml.contains("self.spec.minReplicas <= self.spec.maxReplicas"),
             "{yaml}"
         );
+    }
+
+    #[test]
+    fn crd_bounds_replicas_and_slots() {
+        let crd = serde_json::to_value(ElasticJob::crd()).unwrap();
+        let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"];
+        for (field, max) in [
+            ("minReplicas", MAX_REPLICAS),
+            ("maxReplicas", MAX_REPLICAS),
+            ("slotsPerWorker", MAX_SLOTS_PER_WORKER),
+        ] {
+            let bound = |key: &str| spec[field][key].as_f64();
+            assert_eq!(
+                bound("maximum"),
+                Some(f64::from(max)),
+                "{field}: {}",
+                spec[field]
+            );
+            assert_eq!(bound("minimum"), Some(1.0), "{field}: {}", spec[field]);
+        }
     }
 }

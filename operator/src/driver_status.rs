@@ -51,7 +51,7 @@ pub struct StatusHost {
 pub struct BlacklistedHost {
     /// Host name or address, as discovery gave it.
     pub host: String,
-    /// End of its cooldown in ms on the driver's clock; absent when it is out for good.
+    /// End of its cooldown in Unix milliseconds (wall-clock time); absent when it is out for good.
     #[serde(default)]
     pub until_ms: Option<u64>,
 }

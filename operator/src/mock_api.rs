@@ -158,7 +158,29 @@ impl ApiServer {
         .await;
     }
 
-    /// Expects a worker pod to be applied; returns its name.
+    /// Expects the driver's ServiceAccount, Role and RoleBinding and the workers' Service of job
+    /// `name` to be applied, in that order.
+    async fn expect_shared(&mut self, name: &str) {
+        let sa = self
+            .expect_apply(&format!(
+                "/api/v1/namespaces/ml/serviceaccounts/{name}-driver"
+            ))
+            .await;
+        assert_eq!(sa["kind"], "ServiceAccount");
+        let rbac = "/apis/rbac.authorization.k8s.io/v1/namespaces/ml";
+        let role = self
+            .expect_apply(&format!("{rbac}/roles/{name}-driver"))
+            .await;
+        assert_eq!(role["rules"][0]["verbs"], json!(["get", "list", "watch"]));
+        self.expect_apply(&format!("{rbac}/rolebindings/{name}-driver"))
+            .await;
+        let svc = self
+            .expect_apply(&format!("/api/v1/namespaces/ml/services/{name}-workers"))
+            .await;
+        assert_eq!(svc["spec"]["clusterIP"], "None");
+    }
+
+    /// Expects a worker pod to be applied.
     async fn expect_worker_created(&mut self, name: &str) {
         let pod = self
             .expect_apply(&format!("/api/v1/namespaces/ml/pods/{name}"))
@@ -289,26 +311,11 @@ async fn create_makes_driver_rbac_service_secret_and_workers() {
     let j = with_finalizer(job("train", 1, 2));
     run_scenario(j, ctx, server, |mut s| async move {
         s.expect_pod_list("train", &[]).await;
-        let sa = s
-            .expect_apply("/api/v1/namespaces/ml/serviceaccounts/train-driver")
-            .await;
-        assert_eq!(sa["kind"], "ServiceAccount");
-        let role = s
-            .expect_apply("/apis/rbac.authorization.k8s.io/v1/namespaces/ml/roles/train-driver")
-            .await;
-        assert_eq!(role["rules"][0]["verbs"], json!(["get", "list", "watch"]));
-        s.expect_apply(
-            "/apis/rbac.authorization.k8s.io/v1/namespaces/ml/rolebindings/train-driver",
-        )
-        .await;
-        let svc = s
-            .expect_apply("/api/v1/namespaces/ml/services/train-workers")
-            .await;
-        assert_eq!(svc["spec"]["clusterIP"], "None");
+        s.expect_shared("train").await;
         let secret = s
             .expect(Method::POST, "/api/v1/namespaces/ml/secrets", Clone::clone)
             .await;
-        assert_eq!(secret.body["metadata"]["name"], "train-secret");
+        assert_eq!(secret.body["metadata"]["name"], "train-secret-uid-train");
         let driver = s
             .expect_apply("/api/v1/namespaces/ml/pods/train-driver")
             .await;
@@ -336,6 +343,7 @@ async fn rescale_down_deletes_the_newest_worker() {
     let pods = driver_and_two_workers(&j, |p| p);
     run_scenario(j, ctx, server, |mut s| async move {
         s.expect_pod_list("train", &pods).await;
+        s.expect_shared("train").await;
         s.expect_pod_delete("train-worker-1").await;
         s.expect_event("ScaledDown").await;
         let status = s.expect_status_patch("train").await;
@@ -354,6 +362,7 @@ async fn rescale_up_creates_workers() {
     let pods = vec![driver(&j, "127.0.0.1"), worker(&j, 0, "10.0.0.1")];
     run_scenario(j, ctx, server, |mut s| async move {
         s.expect_pod_list("train", &pods).await;
+        s.expect_shared("train").await;
         s.expect_worker_created("train-worker-1").await;
         s.expect_status_patch("train").await;
     })
@@ -367,6 +376,7 @@ async fn failed_worker_is_deleted_and_replaced() {
     let pods = driver_and_two_workers(&j, |p| in_phase(p, "Failed", Some("Evicted")));
     run_scenario(j, ctx, server, |mut s| async move {
         s.expect_pod_list("train", &pods).await;
+        s.expect_shared("train").await;
         s.expect_pod_delete("train-worker-0").await;
         let ev = s.expect_event("ReplacingFailedWorker").await;
         assert!(ev["note"].as_str().unwrap().contains("Evicted"), "{ev}");
@@ -385,6 +395,7 @@ async fn blacklisted_host_loses_its_pod() {
     let pods = driver_and_two_workers(&j, |p| p);
     run_scenario(j, ctx, server, |mut s| async move {
         s.expect_pod_list("train", &pods).await;
+        s.expect_shared("train").await;
         s.expect_pod_delete("train-worker-1").await;
         s.expect_event("RemovingBlacklistedWorker").await;
         s.expect_worker_created("train-worker-2").await;
@@ -401,9 +412,87 @@ async fn spot_pod_being_deleted_is_replaced_without_a_second_delete() {
     let pods = driver_and_two_workers(&j, deleting);
     run_scenario(j, ctx, server, |mut s| async move {
         s.expect_pod_list("train", &pods).await;
+        s.expect_shared("train").await;
         s.expect_worker_created("train-worker-2").await;
         let status = s.expect_status_patch("train").await;
         assert_eq!(status["workers"], 1);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn steady_job_applies_its_service_account_rbac_and_service_again() {
+    // Garbage collection (or a person) removed them: every reconcile brings them back.
+    let (_fake, ctx, server) = running_job(driver_report(&[])).await;
+    let j = with_finalizer(job("train", 1, 2));
+    let pods = driver_and_two_workers(&j, |p| p);
+    run_scenario(j, ctx, server, |mut s| async move {
+        s.expect_pod_list("train", &pods).await;
+        s.expect_shared("train").await;
+        let status = s.expect_status_patch("train").await;
+        assert_eq!(status["phase"], "Running");
+    })
+    .await;
+}
+
+/// `p` as a pod of a deleted job of the same name, still being removed.
+fn of_deleted_job(p: Pod) -> Pod {
+    let mut p = deleting(p);
+    for r in p.metadata.owner_references.as_mut().unwrap() {
+        r.uid = "uid-deleted".into();
+    }
+    p
+}
+
+#[tokio::test]
+async fn recreated_job_waits_for_the_deleted_jobs_driver_pod() {
+    let (ctx, server) = setup(1);
+    let j = with_finalizer(job("train", 1, 1));
+    let pods = vec![of_deleted_job(in_phase(
+        driver(&j, "10.0.0.100"),
+        "Succeeded",
+        None,
+    ))];
+    run_scenario(j, ctx, server, |mut s| async move {
+        s.expect_pod_list("train", &pods).await;
+        s.expect_shared("train").await;
+        let status = s.expect_status_patch("train").await;
+        assert_eq!(
+            status["phase"], "Pending",
+            "the old driver's end is not this job's"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn recreated_job_gets_its_own_secret_and_ignores_the_old_pods() {
+    let (ctx, server) = setup(1);
+    let mut j = with_finalizer(job("train", 1, 2));
+    j.metadata.uid = Some("uid-new".into());
+    let old = job("train", 1, 2);
+    let pods = vec![of_deleted_job(worker(&old, 0, "10.0.0.1"))];
+    run_scenario(j, ctx, server, |mut s| async move {
+        s.expect_pod_list("train", &pods).await;
+        s.expect_shared("train").await;
+        let secret = s
+            .expect(Method::POST, "/api/v1/namespaces/ml/secrets", Clone::clone)
+            .await;
+        assert_eq!(secret.body["metadata"]["name"], "train-secret-uid-new");
+        let driver = s
+            .expect_apply("/api/v1/namespaces/ml/pods/train-driver")
+            .await;
+        assert_eq!(
+            driver["spec"]["volumes"][0]["secret"]["secretName"],
+            "train-secret-uid-new"
+        );
+        s.expect_event("CreatedDriver").await;
+        // Index 0 is still held by the old job's pod.
+        s.expect_worker_created("train-worker-1").await;
+        s.expect_worker_created("train-worker-2").await;
+        let status = s.expect_status_patch("train").await;
+        assert_eq!(status["phase"], "Pending");
+        assert_eq!(status["workers"], 0);
     })
     .await;
 }
@@ -444,17 +533,13 @@ async fn lost_driver_is_recreated_and_an_existing_secret_is_kept() {
     let pods = vec![worker(&j, 0, "10.0.0.1")];
     run_scenario(j, ctx, server, |mut s| async move {
         s.expect_pod_list("train", &pods).await;
-        s.expect_apply("/api/v1/namespaces/ml/serviceaccounts/train-driver").await;
-        s.expect_apply("/apis/rbac.authorization.k8s.io/v1/namespaces/ml/roles/train-driver")
-            .await;
-        s.expect_apply("/apis/rbac.authorization.k8s.io/v1/namespaces/ml/rolebindings/train-driver")
-            .await;
-        s.expect_apply("/api/v1/namespaces/ml/services/train-workers").await;
-        s.expect_status(Method::POST, "/api/v1/namespaces/ml/secrets", 409, |_| {
+        s.expect_shared("train").await;
+        let seen = s.expect_status(Method::POST, "/api/v1/namespaces/ml/secrets", 409, |_| {
             json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
-                   "message": "secrets \"train-secret\" already exists", "reason": "AlreadyExists", "code": 409})
+                   "message": "secrets \"train-secret-uid-train\" already exists", "reason": "AlreadyExists", "code": 409})
         })
         .await;
+        assert_eq!(seen.body["metadata"]["name"], "train-secret-uid-train");
         s.expect_apply("/api/v1/namespaces/ml/pods/train-driver").await;
         s.expect_event("CreatedDriver").await;
         s.expect_status_patch("train").await;

@@ -6,8 +6,8 @@ use std::collections::BTreeSet;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
-use crate::crd::{ElasticJob, ElasticJobStatus, Phase};
-use crate::driver_status::DriverStatus;
+use crate::crd::{BlacklistSeen, ElasticJob, ElasticJobStatus, Phase};
+use crate::driver_status::{BlacklistedHost, DriverStatus};
 use crate::resources::{LABEL_ROLE, Names, ROLE_DRIVER, ROLE_WORKER};
 
 /// One change the reconciler makes.
@@ -93,8 +93,21 @@ fn role(pod: &Pod) -> Option<&str> {
         .map(String::as_str)
 }
 
-fn workers<'a>(names: &Names, pods: &'a [Pod]) -> Vec<Worker<'a>> {
+/// True when `job` (this very job: same uid) is `pod`'s controller. A pod of a deleted job of
+/// the same name, still being removed, carries the same labels but another uid.
+pub fn owned_by(job: &ElasticJob, pod: &Pod) -> bool {
+    let Some(uid) = job.metadata.uid.as_deref() else {
+        return false;
+    };
+    pod.metadata.owner_references.as_ref().is_some_and(|refs| {
+        refs.iter()
+            .any(|r| r.controller == Some(true) && r.uid == uid)
+    })
+}
+
+fn workers<'a>(job: &ElasticJob, names: &Names, pods: &'a [Pod]) -> Vec<Worker<'a>> {
     pods.iter()
+        .filter(|p| owned_by(job, p))
         .filter(|p| role(p) == Some(ROLE_WORKER))
         .filter_map(|pod| {
             let name = pod.metadata.name.as_deref()?;
@@ -107,19 +120,58 @@ fn workers<'a>(names: &Names, pods: &'a [Pod]) -> Vec<Worker<'a>> {
         .collect()
 }
 
-fn driver_pod<'a>(names: &Names, pods: &'a [Pod]) -> Option<&'a Pod> {
+fn driver_pod<'a>(job: &ElasticJob, names: &Names, pods: &'a [Pod]) -> Option<&'a Pod> {
     let want = names.driver();
-    pods.iter()
-        .find(|p| role(p) == Some(ROLE_DRIVER) && p.metadata.name.as_deref() == Some(&want))
+    pods.iter().find(|p| {
+        owned_by(job, p)
+            && role(p) == Some(ROLE_DRIVER)
+            && p.metadata.name.as_deref() == Some(&want)
+    })
 }
 
-/// The host names a worker pod may have in the driver's reports: its IP, DNS name and pod name.
-fn addresses(names: &Names, w: &Worker<'_>) -> Vec<String> {
-    let mut a = vec![names.worker_dns(w.name), w.name.to_string()];
-    if let Some(ip) = w.pod.status.as_ref().and_then(|s| s.pod_ip.clone()) {
-        a.push(ip);
+/// Names held by pods that are not this job's (a deleted job's of the same name): no pod of
+/// this job can be created under them until they are gone.
+fn foreign_names<'a>(job: &ElasticJob, pods: &'a [Pod]) -> BTreeSet<&'a str> {
+    pods.iter()
+        .filter(|p| !owned_by(job, p))
+        .filter_map(|p| p.metadata.name.as_deref())
+        .collect()
+}
+
+/// The blacklisted host that names worker `w`, if any: its DNS name or pod name, or its IP
+/// unless the pod was created after the operator first saw the entry (the IP was recycled).
+fn blacklisted_as(
+    job: &ElasticJob,
+    names: &Names,
+    w: &Worker<'_>,
+    blacklisted: &[BlacklistedHost],
+) -> Option<String> {
+    let stable = [names.worker_dns(w.name), w.name.to_string()];
+    if let Some(b) = blacklisted.iter().find(|b| stable.contains(&b.host)) {
+        return Some(b.host.clone());
     }
-    a
+    let ip = w.pod.status.as_ref()?.pod_ip.as_deref()?;
+    let entry = blacklisted.iter().find(|b| b.host == ip)?;
+    let seen = job
+        .status
+        .as_ref()
+        .and_then(|s| s.blacklist_seen.iter().find(|e| is_seen(e, entry)));
+    let created = w.pod.metadata.creation_timestamp.as_ref();
+    match (seen, created) {
+        // Creation times have whole seconds: a pod of the same second counts as newer.
+        (Some(seen), Some(created)) if created.0.as_second() >= seen.since.0.as_second() => None,
+        _ => Some(entry.host.clone()),
+    }
+}
+
+/// True when `seen` records the driver's blacklist entry `entry`.
+fn is_seen(seen: &BlacklistSeen, entry: &BlacklistedHost) -> bool {
+    seen.host == entry.host && seen.until_ms == entry.until_ms
+}
+
+/// True when the job is over: its driver pod finished, or its status says so.
+pub fn finished(job: &ElasticJob, pods: &[Pod]) -> bool {
+    Names::of(job).is_ok_and(|names| finished_phase(job, driver_pod(job, &names, pods)).is_some())
 }
 
 /// The phase the driver pod's own phase forces, when it has finished.
@@ -138,10 +190,14 @@ fn finished_phase(job: &ElasticJob, driver: Option<&Pod>) -> Option<Phase> {
 /// What to change so that the job's pods match its spec, given its pods (all pods labelled with
 /// the job) and the driver's last status report, if it could be read.
 ///
-/// - The driver (and its Secret, Service and RBAC) is created when its pod is missing and the job
-///   has not finished.
+/// - Only the job's own pods (its uid in their controller reference) count. While a pod of a
+///   deleted job of the same name holds the driver's name, nothing is done; worker indices such
+///   pods hold are skipped.
+/// - The driver (and its Secret) is created when its pod is missing and the job has not
+///   finished.
 /// - Worker pods that failed or were evicted, and those whose host the driver blacklisted, are
-///   deleted; pods being deleted (a spot preemption) are not counted.
+///   deleted; pods being deleted (a spot preemption) are not counted. A blacklisted pod IP does
+///   not count against a pod created after the entry was first seen (a recycled IP).
 /// - Live workers are kept at `spec.replicas` clamped to [min, max]: the surplus is deleted
 ///   (not-Ready first, then the highest index) and the shortfall created with the lowest indices
 ///   no pod holds and the driver has not blacklisted.
@@ -152,8 +208,9 @@ pub fn plan(job: &ElasticJob, pods: &[Pod], driver: Option<&DriverStatus>) -> Ve
     let Ok(names) = Names::of(job) else {
         return Vec::new();
     };
-    let workers = workers(&names, pods);
-    let driver_pod = driver_pod(&names, pods);
+    let workers = workers(job, &names, pods);
+    let driver_pod = driver_pod(job, &names, pods);
+    let foreign = foreign_names(job, pods);
     let mut actions = Vec::new();
 
     if finished_phase(job, driver_pod).is_some() {
@@ -166,12 +223,15 @@ pub fn plan(job: &ElasticJob, pods: &[Pod], driver: Option<&DriverStatus>) -> Ve
         return actions;
     }
     if driver_pod.is_none() {
+        if foreign.contains(names.driver().as_str()) {
+            // The deleted job's driver pod is still going away; its name is not free yet.
+            return actions;
+        }
         actions.push(Action::CreateDriver);
     }
 
-    let blacklisted: BTreeSet<&str> = driver
-        .map(|d| d.blacklisted.iter().map(|b| b.host.as_str()).collect())
-        .unwrap_or_default();
+    let entries: &[BlacklistedHost] = driver.map_or(&[], |d| &d.blacklisted);
+    let blacklisted: BTreeSet<&str> = entries.iter().map(|b| b.host.as_str()).collect();
     let mut live: Vec<&Worker<'_>> = Vec::new();
     for w in workers.iter().filter(|w| !is_deleting(w.pod)) {
         let phase = phase_of(w.pod);
@@ -185,10 +245,7 @@ pub fn plan(job: &ElasticJob, pods: &[Pod], driver: Option<&DriverStatus>) -> Ve
                 name: w.name.to_string(),
                 why: DeleteReason::Failed { state },
             });
-        } else if let Some(host) = addresses(&names, w)
-            .into_iter()
-            .find(|a| blacklisted.contains(a.as_str()))
-        {
+        } else if let Some(host) = blacklisted_as(job, &names, w, entries) {
             actions.push(Action::DeleteWorker {
                 name: w.name.to_string(),
                 why: DeleteReason::Blacklisted { host },
@@ -214,7 +271,8 @@ pub fn plan(job: &ElasticJob, pods: &[Pod], driver: Option<&DriverStatus>) -> Ve
             .filter(|i| !taken.contains(i))
             .filter(|i| {
                 let name = names.worker(*i);
-                !blacklisted.contains(names.worker_dns(&name).as_str())
+                !foreign.contains(name.as_str())
+                    && !blacklisted.contains(names.worker_dns(&name).as_str())
                     && !blacklisted.contains(name.as_str())
             })
             .take(desired - live.len());
@@ -265,7 +323,8 @@ fn condition(
 ///   reported; Rescaling while pods are created or deleted or Ready workers differ from the wanted
 ///   count, or the driver says so; else Running.
 /// - `workers`: Ready, live worker pods. `round`, `resets`, `blacklisted`: from the driver, else
-///   kept from the last status.
+///   kept from the last status. `blacklistSeen`: each of the driver's entries with the time it
+///   was first seen (`now` for a new one).
 /// - Conditions `Ready` (phase is Running) and `DriverReachable`; a condition keeps its
 ///   transition time while its status holds.
 pub fn status(
@@ -279,7 +338,7 @@ pub fn status(
     let Ok(names) = Names::of(job) else {
         return prev;
     };
-    let workers = workers(&names, pods);
+    let workers = workers(job, &names, pods);
     let ready = workers
         .iter()
         .filter(|w| !is_deleting(w.pod) && is_ready(w.pod))
@@ -290,7 +349,7 @@ pub fn status(
         })
         .count();
     let desired = job.spec.desired_workers();
-    let phase = match (finished_phase(job, driver_pod(&names, pods)), driver) {
+    let phase = match (finished_phase(job, driver_pod(job, &names, pods)), driver) {
         (Some(done), _) => done,
         (None, None) => Phase::Pending,
         (None, Some(d)) if driver_phase(d).is_terminal() => driver_phase(d),
@@ -341,6 +400,22 @@ pub fn status(
         resets: driver.map_or(prev.resets, |d| d.resets),
         blacklisted: driver.map_or(prev.blacklisted, |d| {
             d.blacklisted.iter().map(|b| b.host.clone()).collect()
+        }),
+        blacklist_seen: driver.map_or(prev.blacklist_seen.clone(), |d| {
+            d.blacklisted
+                .iter()
+                .map(|b| {
+                    prev.blacklist_seen
+                        .iter()
+                        .find(|e| is_seen(e, b))
+                        .cloned()
+                        .unwrap_or_else(|| BlacklistSeen {
+                            host: b.host.clone(),
+                            until_ms: b.until_ms,
+                            since: now.clone(),
+                        })
+                })
+                .collect()
         }),
         conditions,
         selector: Some(names.worker_selector()),
@@ -610,6 +685,125 @@ mod tests {
             "DriverReachable changed"
         );
         assert_eq!(s3.round, 7, "the last known round is kept");
+    }
+
+    fn deleted(actions: Vec<Action>) -> Vec<String> {
+        deletes(&actions)
+            .into_iter()
+            .map(|(name, _)| name.to_string())
+            .collect()
+    }
+
+    /// `p` as a pod of a deleted job of the same name (another uid).
+    fn of_old_job(mut p: Pod) -> Pod {
+        for r in p.metadata.owner_references.as_mut().unwrap() {
+            r.uid = "uid-deleted".into();
+        }
+        p
+    }
+
+    fn at(second: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(second).unwrap())
+    }
+
+    fn created(mut p: Pod, second: i64) -> Pod {
+        p.metadata.creation_timestamp = Some(at(second));
+        p
+    }
+
+    #[test]
+    fn pods_of_a_deleted_job_of_the_same_name_are_not_this_jobs() {
+        let j = job("t", 1, 2);
+        // The old job's finished driver is still being removed: it neither ends the new job nor
+        // lets a driver be created under its name.
+        let old_driver = of_old_job(deleting(in_phase(
+            driver(&j, "10.0.0.100"),
+            "Succeeded",
+            None,
+        )));
+        let old_worker = of_old_job(deleting(worker(&j, 0, "10.0.0.1")));
+        let pods = [old_driver, old_worker.clone()];
+        assert!(plan(&j, &pods, None).is_empty(), "wait for the old driver");
+        assert!(!finished(&j, &pods));
+        assert_eq!(status(&j, &pods, None, &[], &now()).phase, Phase::Pending);
+
+        // Once it is gone, the job starts; the old worker's index stays untouched.
+        let a = plan(&j, std::slice::from_ref(&old_worker), None);
+        assert_eq!(a[0], Action::CreateDriver);
+        assert_eq!(creates(&a), [1, 2]);
+        assert!(deletes(&a).is_empty(), "not this job's pod to delete");
+        let s = status(&j, &[old_worker], None, &a, &now());
+        assert_eq!(s.workers, 0);
+    }
+
+    #[test]
+    fn a_recycled_ip_does_not_remove_a_newer_pod() {
+        let mut j = job("t", 1, 3);
+        j.spec.discovery.dns = false;
+        j.status = Some(ElasticJobStatus {
+            blacklist_seen: vec![BlacklistSeen {
+                host: "10.0.0.2".into(),
+                until_ms: Some(5),
+                since: at(1_000),
+            }],
+            ..Default::default()
+        });
+        let pods = [
+            driver(&j, "10.0.0.100"),
+            worker(&j, 0, "10.0.0.1"),
+            // Created after the entry was first seen: it got the blacklisted pod's old IP.
+            created(worker(&j, 1, "10.0.0.2"), 1_000),
+            // Not seen before: every pod there is older than the entry.
+            created(worker(&j, 2, "10.0.0.3"), 1_500),
+        ];
+        let d = deleted(plan(&j, &pods, Some(&st(&["10.0.0.2", "10.0.0.3"]))));
+        assert_eq!(d, ["t-worker-2"]);
+
+        // The pod that held the IP when it was blacklisted goes.
+        let old = [
+            driver(&j, "10.0.0.100"),
+            created(worker(&j, 1, "10.0.0.2"), 999),
+        ];
+        let d = deleted(plan(&j, &old, Some(&st(&["10.0.0.2"]))));
+        assert_eq!(d, ["t-worker-1"]);
+
+        // A new cooldown end is a new failure: the entry is new again.
+        let mut again = st(&["10.0.0.2"]);
+        again.blacklisted[0].until_ms = Some(9);
+        let d = deleted(plan(&j, &pods, Some(&again)));
+        assert_eq!(d, ["t-worker-1"]);
+    }
+
+    #[test]
+    fn blacklist_entries_keep_the_time_they_were_first_seen() {
+        let mut j = job("t", 1, 1);
+        let pods = [driver(&j, "10.0.0.100"), worker(&j, 0, "10.0.0.1")];
+        let s1 = status(&j, &pods, Some(&st(&["10.0.0.9"])), &[], &at(1_000));
+        assert_eq!(s1.blacklist_seen.len(), 1);
+        assert_eq!(s1.blacklist_seen[0].since, at(1_000));
+        j.status = Some(s1);
+        let s2 = status(
+            &j,
+            &pods,
+            Some(&st(&["10.0.0.9", "10.0.0.8"])),
+            &[],
+            &at(2_000),
+        );
+        let since: Vec<_> = s2
+            .blacklist_seen
+            .iter()
+            .map(|e| (e.host.as_str(), e.since.clone()))
+            .collect();
+        assert_eq!(since, [("10.0.0.9", at(1_000)), ("10.0.0.8", at(2_000))]);
+        j.status = Some(s2);
+        let s3 = status(&j, &pods, None, &[], &at(3_000));
+        assert_eq!(
+            s3.blacklist_seen.len(),
+            2,
+            "kept while the driver is silent"
+        );
+        let s4 = status(&j, &pods, Some(&st(&[])), &[], &at(3_000));
+        assert!(s4.blacklist_seen.is_empty(), "dropped with the entries");
     }
 
     #[test]

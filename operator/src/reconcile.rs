@@ -22,7 +22,7 @@ use tracing::{debug, info, warn};
 use crate::crd::ElasticJob;
 use crate::driver_status::{self, DriverStatus};
 use crate::error::Error;
-use crate::plan::{Action, DeleteReason, plan, status};
+use crate::plan::{Action, DeleteReason, finished, owned_by, plan, status};
 use crate::resources::{
     self, FIELD_MANAGER, LABEL_JOB, LABEL_ROLE, Names, ROLE_DRIVER, STATUS_PORT,
 };
@@ -118,10 +118,11 @@ async fn publish(
     }
 }
 
-fn driver_addr(pods: &[Pod], names: &Names, port: u16) -> Option<SocketAddr> {
+fn driver_addr(job: &ElasticJob, pods: &[Pod], names: &Names, port: u16) -> Option<SocketAddr> {
     let driver = names.driver();
     let pod = pods.iter().find(|p| {
-        p.metadata.name.as_deref() == Some(&driver)
+        owned_by(job, p)
+            && p.metadata.name.as_deref() == Some(&driver)
             && p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_DRIVER)
     })?;
     let status = pod.status.as_ref()?;
@@ -132,14 +133,29 @@ fn driver_addr(pods: &[Pod], names: &Names, port: u16) -> Option<SocketAddr> {
     Some(SocketAddr::new(ip, port))
 }
 
+/// Applies the objects a running job needs besides its pods: the driver's ServiceAccount, Role
+/// and RoleBinding and the workers' Service. Applied on every reconcile, so that one removed by
+/// hand or by the garbage collection of a deleted job of the same name comes back.
+async fn apply_shared(job: &ElasticJob, ctx: &Context, ns: &str) -> Result<(), Error> {
+    ssa::<ServiceAccount>(ctx, ns, &resources::driver_service_account(job)?).await?;
+    ssa::<Role>(ctx, ns, &resources::driver_role(job)?).await?;
+    ssa::<RoleBinding>(ctx, ns, &resources::driver_role_binding(job)?).await?;
+    ssa::<Service>(ctx, ns, &resources::worker_service(job)?).await
+}
+
 async fn apply(job: Arc<ElasticJob>, ctx: Arc<Context>) -> Result<Requeue, Error> {
+    // Before any pod is created: a pod created by this reconcile is newer than what it sees.
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
     let names = Names::of(&job)?;
     let pods_api: Api<Pod> = Api::namespaced(ctx.client.clone(), &names.namespace);
     let pods = pods_api
         .list(&ListParams::default().labels(&names.job_selector()))
         .await?
         .items;
-    let driver = match driver_addr(&pods, &names, ctx.status_port) {
+    if !finished(&job, &pods) {
+        apply_shared(&job, &ctx, &names.namespace).await?;
+    }
+    let driver = match driver_addr(&job, &pods, &names, ctx.status_port) {
         Some(addr) => match driver_status::fetch(addr, ctx.status_timeout).await {
             Ok(s) => Some(s),
             Err(e) => {
@@ -153,7 +169,7 @@ async fn apply(job: Arc<ElasticJob>, ctx: Arc<Context>) -> Result<Requeue, Error
     for action in &actions {
         execute(&job, &names, &ctx, action).await?;
     }
-    write_status(&job, &names, &ctx, &pods, driver.as_ref(), &actions).await?;
+    write_status(&job, &names, &ctx, &pods, driver.as_ref(), &actions, &now).await?;
     let done = job.status.as_ref().is_some_and(|s| s.phase.is_terminal());
     Ok(if done && actions.is_empty() {
         Requeue::await_change()
@@ -169,9 +185,9 @@ async fn write_status(
     pods: &[Pod],
     driver: Option<&DriverStatus>,
     actions: &[Action],
+    now: &Time,
 ) -> Result<(), Error> {
-    let now = Time(k8s_openapi::jiff::Timestamp::now());
-    let new = status(job, pods, driver, actions, &now);
+    let new = status(job, pods, driver, actions, now);
     let old_phase = job.status.as_ref().map(|s| s.phase);
     if job.status.as_ref() == Some(&new) {
         return Ok(());
@@ -239,12 +255,8 @@ async fn execute(
     let ns = &names.namespace;
     match action {
         Action::CreateDriver => {
-            ssa::<ServiceAccount>(ctx, ns, &resources::driver_service_account(job)?).await?;
-            ssa::<Role>(ctx, ns, &resources::driver_role(job)?).await?;
-            ssa::<RoleBinding>(ctx, ns, &resources::driver_role_binding(job)?).await?;
-            ssa::<Service>(ctx, ns, &resources::worker_service(job)?).await?;
             // Created once and never applied again: a new random value would cut off running
-            // agents.
+            // agents. Its name carries the job's uid, so an existing one is this job's.
             let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
             let secret = resources::secret(job, &resources::new_secret()?)?;
             match secrets.create(&PostParams::default(), &secret).await {

@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, EnvVar, EnvVarSource, Pod, PodSpec, Probe, Secret, SecretKeySelector,
-    Service, ServiceAccount, ServicePort, ServiceSpec, TCPSocketAction,
+    SecretVolumeSource, Service, ServiceAccount, ServicePort, ServiceSpec, TCPSocketAction, Volume,
+    VolumeMount,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -33,6 +34,12 @@ pub const STATUS_PORT: u16 = 8080;
 pub const ENV_AGENT_SECRET: &str = "HVD_AGENT_SECRET";
 /// Key of the shared secret in the job's Secret.
 pub const SECRET_KEY: &str = "secret";
+/// Where the job's Secret is mounted in the driver and worker pods (read-only).
+pub const SECRET_DIR: &str = "/var/run/secrets/hvd.dev";
+/// The file the worker pods' agents read the shared secret from (`--secret-file`).
+pub const SECRET_FILE: &str = "/var/run/secrets/hvd.dev/secret";
+/// Name of the Secret volume in the driver and worker pods.
+const SECRET_VOLUME: &str = "hvd-secret";
 /// Field manager of every server-side apply the operator makes.
 pub const FIELD_MANAGER: &str = "hvd-operator";
 
@@ -45,13 +52,16 @@ pub struct Names {
     pub job: String,
     /// Namespace of the job and everything it owns.
     pub namespace: String,
+    /// The job's uid: it tells this job's objects from those of a deleted job of the same name.
+    pub uid: String,
 }
 
 impl Names {
     /// Names for `job`.
     ///
     /// # Errors
-    /// [`Error::MissingField`] when the job has no name or namespace (not from the API server).
+    /// [`Error::MissingField`] when the job has no name, namespace or uid (not from the API
+    /// server).
     pub fn of(job: &ElasticJob) -> Result<Self, Error> {
         let name = job
             .metadata
@@ -61,14 +71,22 @@ impl Names {
         let namespace = job
             .namespace()
             .ok_or(Error::MissingField("metadata.namespace"))?;
+        let uid = job
+            .metadata
+            .uid
+            .clone()
+            .ok_or(Error::MissingField("metadata.uid"))?;
         Ok(Names {
             job: name,
             namespace,
+            uid,
         })
     }
-    /// The Secret holding [`SECRET_KEY`].
+    /// The Secret holding [`SECRET_KEY`]. It carries the job's uid: a job recreated under the
+    /// same name gets a Secret of its own, never the deleted job's (which garbage collection is
+    /// about to remove).
     pub fn secret(&self) -> String {
-        format!("{}-secret", self.job)
+        format!("{}-secret-{}", self.job, self.uid)
     }
     /// The workers' headless Service.
     pub fn service(&self) -> String {
@@ -240,9 +258,17 @@ pub fn driver_role_binding(job: &ElasticJob) -> Result<RoleBinding, Error> {
     })
 }
 
-fn env(job: &ElasticJob, names: &Names) -> Vec<EnvVar> {
+/// The job's environment for the pods; never the user's own [`ENV_AGENT_SECRET`].
+fn user_env(job: &ElasticJob) -> Vec<EnvVar> {
     let mut env = job.spec.env.clone();
     env.retain(|e| e.name != ENV_AGENT_SECRET);
+    env
+}
+
+/// The driver's environment: the job's, plus [`ENV_AGENT_SECRET`] from the Secret (`horovodrun`
+/// reads the secret from there).
+fn driver_env(job: &ElasticJob, names: &Names) -> Vec<EnvVar> {
+    let mut env = user_env(job);
     env.push(EnvVar {
         name: ENV_AGENT_SECRET.into(),
         value_from: Some(EnvVarSource {
@@ -256,6 +282,29 @@ fn env(job: &ElasticJob, names: &Names) -> Vec<EnvVar> {
         ..Default::default()
     });
     env
+}
+
+/// The Secret as a read-only volume.
+fn secret_volume(names: &Names) -> Volume {
+    Volume {
+        name: SECRET_VOLUME.into(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(names.secret()),
+            optional: Some(false),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The Secret volume mounted read-only at [`SECRET_DIR`].
+fn secret_mount() -> VolumeMount {
+    VolumeMount {
+        name: SECRET_VOLUME.into(),
+        mount_path: SECRET_DIR.into(),
+        read_only: Some(true),
+        ..Default::default()
+    }
 }
 
 fn tcp_probe(port: u16) -> Probe {
@@ -277,8 +326,10 @@ fn port(name: &str, port: u16) -> ContainerPort {
     }
 }
 
-/// Worker pod number `index`: `hvd-agent --listen 0.0.0.0:7077`, Ready once the agent listens,
-/// annotated with its slot count, reachable by DNS through the headless Service.
+/// Worker pod number `index`: `hvd-agent --listen [::]:7077 --secret-file SECRET_FILE`
+/// (dual-stack; the secret comes from the mounted Secret, never from the environment the
+/// training processes inherit), Ready once the agent listens, annotated with its slot count,
+/// reachable by DNS through the headless Service.
 ///
 /// # Errors
 /// [`Error::MissingField`] when the job lacks a name, namespace or uid.
@@ -304,18 +355,28 @@ pub fn worker_pod(job: &ElasticJob, index: usize) -> Result<Pod, Error> {
                 command: Some(vec![
                     "hvd-agent".into(),
                     "--listen".into(),
-                    format!("0.0.0.0:{AGENT_PORT}"),
+                    format!("[::]:{AGENT_PORT}"),
+                    "--secret-file".into(),
+                    SECRET_FILE.into(),
                 ]),
                 ports: Some(vec![port("agent", AGENT_PORT)]),
-                env: Some(env(job, &names)),
+                env: Some(user_env(job)),
                 resources: job.spec.resources.clone(),
                 readiness_probe: Some(tcp_probe(AGENT_PORT)),
+                volume_mounts: Some(vec![secret_mount()]),
                 ..Default::default()
             }],
+            volumes: Some(vec![secret_volume(&names)]),
             ..Default::default()
         }),
         status: None,
     })
+}
+
+/// Training processes of `replicas` worker pods of `slots` each (at least one pod), in `i64`
+/// so that no pair of `i32` spec values can overflow.
+fn processes(replicas: i32, slots: i32) -> i64 {
+    i64::from(replicas.max(1)) * i64::from(slots)
 }
 
 /// The `horovodrun` command line of the driver pod.
@@ -356,9 +417,9 @@ pub fn driver_command(job: &ElasticJob) -> Result<Vec<String>, Error> {
         "--status-port".to_string(),
         STATUS_PORT.to_string(),
         "--min-np".to_string(),
-        (spec.min_replicas.max(1) * slots).to_string(),
+        processes(spec.min_replicas, slots).to_string(),
         "--max-np".to_string(),
-        (spec.max_replicas.max(1) * slots).to_string(),
+        processes(spec.max_replicas, slots).to_string(),
         "--slots".to_string(),
         slots.to_string(),
     ]);
@@ -391,10 +452,12 @@ pub fn driver_pod(job: &ElasticJob) -> Result<Pod, Error> {
                 image: Some(job.spec.image.clone()),
                 command: Some(driver_command(job)?),
                 ports: Some(vec![port("status", STATUS_PORT)]),
-                env: Some(env(job, &names)),
+                env: Some(driver_env(job, &names)),
                 readiness_probe: Some(tcp_probe(STATUS_PORT)),
+                volume_mounts: Some(vec![secret_mount()]),
                 ..Default::default()
             }],
+            volumes: Some(vec![secret_volume(&names)]),
             ..Default::default()
         }),
         status: None,
@@ -444,26 +507,25 @@ mod tests {
         let c = &spec.containers[0];
         assert_eq!(
             c.command.as_ref().unwrap(),
-            &["hvd-agent", "--listen", "0.0.0.0:7077"]
+            &[
+                "hvd-agent",
+                "--listen",
+                "[::]:7077",
+                "--secret-file",
+                "/var/run/secrets/hvd.dev/secret"
+            ]
         );
+        let listen: std::net::SocketAddr = c.command.as_ref().unwrap()[2].parse().unwrap();
+        assert!(listen.ip().is_unspecified() && listen.is_ipv6(), "{listen}");
         assert_eq!(c.ports.as_ref().unwrap()[0].container_port, 7077);
-        let secret_env = c
-            .env
-            .as_ref()
-            .unwrap()
-            .iter()
-            .find(|e| e.name == ENV_AGENT_SECRET)
-            .unwrap();
-        let key = secret_env
-            .value_from
-            .as_ref()
-            .unwrap()
-            .secret_key_ref
-            .as_ref()
-            .unwrap();
-        assert_eq!(
-            (key.name.as_str(), key.key.as_str()),
-            ("train-secret", SECRET_KEY)
+        assert_secret_mounted(spec, "train-secret-uid-train");
+        assert!(
+            c.env
+                .as_ref()
+                .unwrap()
+                .iter()
+                .all(|e| e.name != ENV_AGENT_SECRET),
+            "the training processes would inherit the secret"
         );
         assert!(
             c.env
@@ -472,6 +534,65 @@ mod tests {
                 .iter()
                 .any(|e| e.name == "HOROVOD_CYCLE_TIME")
         );
+    }
+
+    /// The pod mounts Secret `secret` read-only so that [`SECRET_FILE`] is its key.
+    fn assert_secret_mounted(spec: &PodSpec, secret: &str) {
+        let vol = &spec.volumes.as_ref().unwrap()[0];
+        let src = vol.secret.as_ref().unwrap();
+        assert_eq!(src.secret_name.as_deref(), Some(secret));
+        let mount = &spec.containers[0].volume_mounts.as_ref().unwrap()[0];
+        assert_eq!(mount.name, vol.name);
+        assert_eq!(mount.read_only, Some(true));
+        assert_eq!(
+            format!("{}/{SECRET_KEY}", mount.mount_path),
+            SECRET_FILE,
+            "the agent's --secret-file must be the Secret's key"
+        );
+    }
+
+    #[test]
+    fn user_env_cannot_override_the_secret() {
+        let mut j = job("train", 1, 1);
+        j.spec.env.push(EnvVar {
+            name: ENV_AGENT_SECRET.into(),
+            value: Some("guessable".into()),
+            ..Default::default()
+        });
+        let w = worker_pod(&j, 0).unwrap().spec.unwrap();
+        assert!(
+            w.containers[0]
+                .env
+                .as_ref()
+                .unwrap()
+                .iter()
+                .all(|e| e.name != ENV_AGENT_SECRET)
+        );
+        let d = driver_pod(&j).unwrap().spec.unwrap();
+        let secret: Vec<_> = d.containers[0]
+            .env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .filter(|e| e.name == ENV_AGENT_SECRET)
+            .collect();
+        assert_eq!(secret.len(), 1);
+        assert_eq!(secret[0].value, None, "only the Secret's value");
+    }
+
+    #[test]
+    fn np_bounds_do_not_overflow() {
+        let mut j = job("train", 2, 4);
+        j.spec.min_replicas = i32::MAX;
+        j.spec.max_replicas = i32::MAX;
+        j.spec.slots_per_worker = i32::MAX;
+        let cmd = driver_command(&j).unwrap();
+        let np = |flag: &str| {
+            let at = cmd.iter().position(|a| a == flag).unwrap();
+            cmd[at + 1].parse::<i64>().unwrap()
+        };
+        let want = i64::from(i32::MAX) * i64::from(i32::MAX);
+        assert_eq!((np("--min-np"), np("--max-np")), (want, want));
     }
 
     #[test]
@@ -502,6 +623,17 @@ mod tests {
         let p = driver_pod(&job("train", 1, 1)).unwrap();
         assert_eq!(p.metadata.labels.as_ref().unwrap()[LABEL_ROLE], "driver");
         let spec = p.spec.unwrap();
+        assert_secret_mounted(&spec, "train-secret-uid-train");
+        let env = spec.containers[0].env.as_ref().unwrap();
+        let from = env
+            .iter()
+            .find(|e| e.name == ENV_AGENT_SECRET)
+            .and_then(|e| e.value_from.as_ref()?.secret_key_ref.as_ref())
+            .unwrap();
+        assert_eq!(
+            (from.name.as_str(), from.key.as_str()),
+            ("train-secret-uid-train", SECRET_KEY)
+        );
         assert_eq!(spec.service_account_name.as_deref(), Some("train-driver"));
         assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
         assert_eq!(
@@ -544,6 +676,13 @@ mod tests {
         assert_ne!(a, b);
         let s = secret(&job("train", 1, 1), &a).unwrap();
         assert_eq!(s.data.unwrap()[SECRET_KEY].0, a.as_bytes());
+        // A job recreated under the same name never shares the deleted job's Secret.
+        let mut again = job("train", 1, 1);
+        again.metadata.uid = Some("uid-new".into());
+        assert_eq!(
+            secret(&again, &a).unwrap().metadata.name.as_deref(),
+            Some("train-secret-uid-new")
+        );
     }
 
     #[test]
