@@ -95,16 +95,17 @@ mod tests {
     }
 
     #[test]
-    fn mac_is_hmac_sha256() {
-        // RFC 4231 test case 2: key "Jefe", data "what do ya want for nothing?".
-        let m = hex(&{
-            let mut h = HmacSha256::new_from_slice(b"Jefe").unwrap();
-            h.update(b"what do ya want for nothing?");
-            h.finalize().into_bytes()
-        });
+    fn mac_matches_an_independently_computed_vector() {
+        // HMAC-SHA256 under "s3cret" of "<label>\n<nonce>", computed with OpenSSL:
+        // printf 'hvd-agent/driver\n0011...eeff' | openssl dgst -sha256 -hmac s3cret
+        let n = "00112233445566778899aabbccddeeff";
         assert_eq!(
-            m,
-            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+            mac("s3cret", DRIVER_LABEL, n).unwrap(),
+            "b0186833d4a70623177e1b1ed3cfb914e78652acc5dc1a6266474cd8f135bd8a"
+        );
+        assert_eq!(
+            mac("s3cret", AGENT_LABEL, n).unwrap(),
+            "8e9b1ab9febb243f729f9dd4c6a7804e4036a6c28335dd705c66e076ce42581e"
         );
     }
 }

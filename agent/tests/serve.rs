@@ -1,14 +1,21 @@
 //! The agent's server and client together, in process, over real sockets and real processes:
 //! output and exits, stopping with and without a grace, authentication both ways, and no
-//! orphans when the driver's connection drops.
+//! orphans when the driver's connection drops (nor when a process's leader exits first),
+//! lines cut across reads, the last output before an exit, connection limits and keepalive.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
 
-use hvd_agent::{AgentError, Events, FromAgent, Requests, Stream, ToAgent, connect, serve};
+use hvd_agent::auth::{AGENT_LABEL, DRIVER_LABEL, mac};
+use hvd_agent::{
+    AgentError, Events, FromAgent, Limits, Requests, Stream, ToAgent, connect, serve,
+    serve_with_limits,
+};
+use hvd_rendezvous::{decode_line, encode_line};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::oneshot;
 
 const SECRET: &str = "test-secret-1234";
@@ -23,6 +30,98 @@ async fn agent() -> (String, oneshot::Sender<()>) {
         let _ = rx.await;
     }));
     (addr, tx)
+}
+
+/// An agent with the given connection limits, serving until the sender is dropped.
+async fn limited_agent(limits: Limits) -> (String, oneshot::Sender<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(serve_with_limits(
+        listener,
+        SECRET.into(),
+        limits,
+        async move {
+            let _ = rx.await;
+        },
+    ));
+    (addr, tx)
+}
+
+/// A connection to an agent driven byte by byte, without the client library.
+struct Raw {
+    r: BufReader<OwnedReadHalf>,
+    w: OwnedWriteHalf,
+}
+
+impl Raw {
+    /// Connected; the agent's challenge not read yet.
+    async fn connect(addr: &str) -> Raw {
+        let (r, w) = tokio::net::TcpStream::connect(addr)
+            .await
+            .unwrap()
+            .into_split();
+        Raw {
+            r: BufReader::new(r),
+            w,
+        }
+    }
+
+    /// Connected and authenticated.
+    async fn authenticated(addr: &str) -> Raw {
+        let mut c = Raw::connect(addr).await;
+        let FromAgent::Challenge { nonce } = c.recv().await.unwrap() else {
+            panic!("no challenge")
+        };
+        let ours = "0123456789abcdef0123456789abcdef";
+        c.send(&ToAgent::Auth {
+            mac: mac(SECRET, DRIVER_LABEL, &nonce).unwrap(),
+            nonce: ours.into(),
+        })
+        .await;
+        match c.recv().await {
+            Some(FromAgent::Welcome { mac: m }) => {
+                assert_eq!(m, mac(SECRET, AGENT_LABEL, ours).unwrap())
+            }
+            other => panic!("{other:?}"),
+        }
+        c
+    }
+
+    async fn send(&mut self, msg: &ToAgent) {
+        self.w.write_all(&encode_line(msg).unwrap()).await.unwrap();
+    }
+
+    /// The next message, `None` at the end of the connection.
+    async fn recv(&mut self) -> Option<FromAgent> {
+        let mut line = String::new();
+        let n = tokio::time::timeout(T, self.r.read_line(&mut line))
+            .await
+            .expect("agent answered in time")
+            .unwrap();
+        (n > 0).then(|| decode_line(line.as_bytes()).unwrap())
+    }
+}
+
+fn sh(id: u64, script: &str) -> ToAgent {
+    ToAgent::Start {
+        id,
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        env: vec![],
+        cwd: None,
+    }
+}
+
+/// Waits up to `within` for `pid` to stop running.
+async fn gone_within(pid: i32, within: Duration) -> bool {
+    let deadline = std::time::Instant::now() + within;
+    while alive(pid) {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
 }
 
 async fn next(ev: &mut Events) -> FromAgent {
@@ -307,4 +406,304 @@ async fn a_dropped_connection_kills_every_process_it_started() {
         .await
         .unwrap();
     assert_eq!(run_to_exit(&mut ev2, 1).await.2, (None, Some(9)));
+}
+
+#[tokio::test]
+async fn a_request_cut_across_reads_survives_a_process_exit() {
+    let (addr, _stop) = agent().await;
+    let mut c = Raw::authenticated(&addr).await;
+    c.send(&sh(1, "sleep 0.2")).await;
+    assert!(matches!(
+        c.recv().await,
+        Some(FromAgent::Started { id: 1, .. })
+    ));
+    // Half a request arrives, then process 1 exits, then the rest of the request.
+    let line = encode_line(&sh(2, "echo two")).unwrap();
+    let (head, tail) = line.split_at(line.len() / 2);
+    c.w.write_all(head).await.unwrap();
+    assert!(matches!(
+        c.recv().await,
+        Some(FromAgent::Exited { id: 1, .. })
+    ));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    c.w.write_all(tail).await.unwrap();
+    let mut seen = Vec::new();
+    loop {
+        match c.recv().await.unwrap() {
+            FromAgent::Exited { id: 2, code, .. } => {
+                assert_eq!(code, Some(0));
+                break;
+            }
+            FromAgent::Error { reason } => panic!("the request was cut: {reason}"),
+            other => seen.push(other),
+        }
+    }
+    assert!(
+        seen.contains(&FromAgent::Output {
+            id: 2,
+            stream: Stream::Stdout,
+            line: "two".into()
+        }),
+        "{seen:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_client_keeps_a_message_cut_across_reads_when_its_read_is_cancelled() {
+    // A fake agent that authenticates properly, then sends one message in two pieces.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let (s, _) = listener.accept().await.unwrap();
+        let (r, mut w) = s.into_split();
+        let nonce = "00112233445566778899aabbccddeeff";
+        let challenge = FromAgent::Challenge {
+            nonce: nonce.into(),
+        };
+        w.write_all(&encode_line(&challenge).unwrap())
+            .await
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(r).read_line(&mut line).await.unwrap();
+        let Ok(ToAgent::Auth { nonce: theirs, .. }) = decode_line(line.as_bytes()) else {
+            panic!("{line}")
+        };
+        let welcome = FromAgent::Welcome {
+            mac: mac(SECRET, AGENT_LABEL, &theirs).unwrap(),
+        };
+        w.write_all(&encode_line(&welcome).unwrap()).await.unwrap();
+        let out = FromAgent::Output {
+            id: 4,
+            stream: Stream::Stderr,
+            line: "Traceback (most recent call last):".into(),
+        };
+        let out = encode_line(&out).unwrap();
+        let (head, tail) = out.split_at(out.len() / 2);
+        w.write_all(head).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        w.write_all(tail).await.unwrap();
+        tokio::time::sleep(T).await;
+    });
+    let (mut ev, _rq) = connect(&addr, SECRET, T).await.unwrap();
+    // The read waits beside a timer that keeps winning, as in a driver's select loop.
+    let deadline = std::time::Instant::now() + T;
+    let msg = loop {
+        assert!(std::time::Instant::now() < deadline, "no message");
+        tokio::select! {
+            m = ev.next() => break m.unwrap().unwrap(),
+            () = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+    };
+    assert_eq!(
+        msg,
+        FromAgent::Output {
+            id: 4,
+            stream: Stream::Stderr,
+            line: "Traceback (most recent call last):".into()
+        }
+    );
+}
+
+/// A process whose child ignores SIGTERM: prints the child's pid, then `then`.
+const TERM_IGNORING_CHILD: &str = "(trap '' TERM; exec sleep 30) & echo $!;";
+
+#[tokio::test]
+async fn stop_kills_a_term_ignoring_child_once_its_leader_exited() {
+    let (addr, _stop) = agent().await;
+    let (mut ev, mut rq) = connect(&addr, SECRET, T).await.unwrap();
+    start(&mut rq, 1, &format!("{TERM_IGNORING_CHILD} wait"), &[]).await;
+    started(&mut ev, 1).await;
+    let child: i32 = match next(&mut ev).await {
+        FromAgent::Output { line, .. } => line.trim().parse().unwrap(),
+        other => panic!("{other:?}"),
+    };
+    // The leader dies of the SIGTERM at once; the child would outlive the whole grace.
+    rq.send(&ToAgent::Stop {
+        id: 1,
+        grace_ms: 20_000,
+    })
+    .await
+    .unwrap();
+    assert_eq!(run_to_exit(&mut ev, 1).await.2, (None, Some(15)));
+    assert!(
+        gone_within(child, Duration::from_secs(3)).await,
+        "the child that ignored SIGTERM outlived its stopped leader"
+    );
+}
+
+#[tokio::test]
+async fn a_child_left_by_an_exited_leader_does_not_outlive_the_driver() {
+    let (addr, _stop) = agent().await;
+    let (mut ev, mut rq) = connect(&addr, SECRET, T).await.unwrap();
+    start(&mut rq, 1, &format!("{TERM_IGNORING_CHILD} exit 0"), &[]).await;
+    started(&mut ev, 1).await;
+    let (out, _, exit) = run_to_exit(&mut ev, 1).await;
+    assert_eq!(exit, (Some(0), None));
+    let child: i32 = out[0].trim().parse().unwrap();
+    drop((ev, rq));
+    assert!(
+        gone_within(child, Duration::from_secs(3)).await,
+        "a child of an exited process outlived its driver"
+    );
+}
+
+#[tokio::test]
+async fn the_last_lines_of_a_crash_arrive_before_its_exit_when_the_driver_lags() {
+    let (addr, _stop) = agent().await;
+    let (mut ev, mut rq) = connect(&addr, SECRET, T).await.unwrap();
+    // 30 MB of output, more than the agent's queue and the socket buffers hold, then the
+    // crash's last words, then death by SIGKILL.
+    const LINES: usize = 30_000;
+    start(
+        &mut rq,
+        1,
+        &format!(
+            "head -c {} /dev/zero | tr '\\0' x | fold -w 999; echo last words >&2; kill -9 $$",
+            LINES * 999
+        ),
+        &[],
+    )
+    .await;
+    // The driver is busy elsewhere while the process writes and dies.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (out, err, exit) = run_to_exit(&mut ev, 1).await;
+    assert_eq!(exit, (None, Some(9)));
+    assert_eq!(err, ["last words"], "stderr before the exit");
+    assert_eq!(out.len(), LINES, "stdout lines before the exit");
+    assert!(out.iter().all(|l| l.len() == 999));
+}
+
+#[tokio::test]
+async fn a_long_line_before_authentication_is_refused_at_once() {
+    let (addr, _stop) = agent().await;
+    let mut c = Raw::connect(&addr).await;
+    assert!(matches!(c.recv().await, Some(FromAgent::Challenge { .. })));
+    c.w.write_all(&[b'x'; 8192]).await.unwrap();
+    // No newline: the agent must not wait for one (nor for its 10 s timeout).
+    let answer = tokio::time::timeout(Duration::from_secs(3), c.recv())
+        .await
+        .expect("refused before the authentication timeout");
+    match answer {
+        Some(FromAgent::Refused { reason }) => {
+            assert!(reason.contains("longer than 4096"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn connections_authenticating_at_once_are_limited() {
+    let (addr, _stop) = limited_agent(Limits {
+        connections: 8,
+        unauthenticated: 1,
+    })
+    .await;
+    let mut first = Raw::connect(&addr).await;
+    let FromAgent::Challenge { nonce } = first.recv().await.unwrap() else {
+        panic!("no challenge")
+    };
+    // While `first` has not answered, another connection is refused and told why.
+    let err = connect(&addr, SECRET, T).await.unwrap_err();
+    assert!(
+        matches!(&err, AgentError::Refused { reason, .. } if reason.contains("too many")),
+        "{err:?}"
+    );
+    first
+        .send(&ToAgent::Auth {
+            mac: mac(SECRET, DRIVER_LABEL, &nonce).unwrap(),
+            nonce: "0123456789abcdef0123456789abcdef".into(),
+        })
+        .await;
+    assert!(matches!(
+        first.recv().await,
+        Some(FromAgent::Welcome { .. })
+    ));
+    // Authenticated, it no longer counts.
+    connect(&addr, SECRET, T).await.unwrap();
+}
+
+#[tokio::test]
+async fn open_connections_are_limited() {
+    let (addr, _stop) = limited_agent(Limits {
+        connections: 2,
+        unauthenticated: 2,
+    })
+    .await;
+    let a = connect(&addr, SECRET, T).await.unwrap();
+    let _b = connect(&addr, SECRET, T).await.unwrap();
+    // A third is closed without a challenge.
+    let mut c = Raw::connect(&addr).await;
+    assert_eq!(c.recv().await, None);
+    // Once one ends, there is room again.
+    drop(a);
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        match connect(&addr, SECRET, T).await {
+            Ok(_) => break,
+            Err(e) => assert!(std::time::Instant::now() < deadline, "{e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The keepalive timer of the IPv4 TCP socket from `local` to `remote` (`/proc/net/tcp`),
+/// in seconds, when one is pending.
+fn keepalive_timer(local: std::net::SocketAddr, remote: std::net::SocketAddr) -> Option<f64> {
+    let hex = |a: std::net::SocketAddr| {
+        let std::net::IpAddr::V4(ip) = a.ip() else {
+            panic!("IPv4 only")
+        };
+        format!("{:08X}:{:04X}", u32::from_le_bytes(ip.octets()), a.port())
+    };
+    let (local, remote) = (hex(local), hex(remote));
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let row = table.lines().skip(1).find(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        f[1] == local && f[2] == remote
+    })?;
+    // Field 5 is "tr:when": timer kind 2 is the keepalive timer, `when` in USER_HZ ticks.
+    let (kind, when) = row.split_whitespace().nth(5)?.split_once(':')?;
+    (kind == "02").then(|| u64::from_str_radix(when, 16).unwrap() as f64 / 100.0)
+}
+
+#[tokio::test]
+async fn both_ends_of_a_connection_keep_it_alive() {
+    // Driver and agent sides both on a listener and a socket this test can name.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let agent_addr = listener.local_addr().unwrap();
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(serve(listener, SECRET.into(), async move {
+        let _ = rx.await;
+    }));
+    let _stop = tx;
+    let (_ev, _rq) = connect(&agent_addr.to_string(), SECRET, T).await.unwrap();
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    // The driver's end: the one connected to the agent's port from a port of its own.
+    let port = |f: &str| u16::from_str_radix(f.rsplit_once(':').unwrap().1, 16).unwrap();
+    let driver_port = table
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| port(f[2]) == agent_addr.port() && f[1].starts_with("0100007F"))
+        .map(|f| port(f[1]))
+        .expect("the driver's socket");
+    let driver: std::net::SocketAddr = ([127, 0, 0, 1], driver_port).into();
+    // Data in flight shows the retransmission timer instead: wait for the ACKs.
+    for (end, local, remote) in [
+        ("driver", driver, agent_addr),
+        ("agent", agent_addr, driver),
+    ] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        let when = loop {
+            let when = keepalive_timer(local, remote);
+            if when.is_some() || std::time::Instant::now() > deadline {
+                break when;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(
+            when.is_some_and(|s| s > 20.0 && s <= 30.0),
+            "the {end}'s end has no 30 s keepalive timer: {when:?}"
+        );
+    }
 }
