@@ -6,7 +6,7 @@
 //! timestamp leaves the set on the event that says so, which is what lets a spot-preemption notice
 //! (pod deletion) reach the driver before the node goes away.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
@@ -96,19 +96,25 @@ fn is_ready(pod: &Pod) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
+/// The hosts among some pods, and the pods left out because their slot count is unusable.
+#[derive(Debug, Default)]
+pub struct PodHosts {
+    /// The hosts, sorted by pod name.
+    pub hosts: Vec<HostSpec>,
+    /// One error per pod left out: [`KubeDiscoveryError::BadSlots`] or
+    /// [`KubeDiscoveryError::ZeroDefaultSlots`], naming the pod.
+    pub skipped: Vec<KubeDiscoveryError>,
+}
+
 /// The hosts among `pods`, sorted by pod name: pods that are Ready, have no deletion timestamp,
 /// and have an address (a pod IP, or any name when `sel.service` gives them stable DNS).
 ///
-/// Slots come from the `sel.slots_annotation` annotation, else `sel.default_slots`.
-///
-/// # Errors
-/// [`KubeDiscoveryError::BadSlots`] naming the pod and value when an annotation is not a positive
-/// integer; [`KubeDiscoveryError::ZeroDefaultSlots`] when a pod needs a default of 0.
-pub fn hosts_from_pods<'a>(
-    pods: impl IntoIterator<Item = &'a Pod>,
-    sel: &PodSelector,
-) -> Result<Vec<HostSpec>, KubeDiscoveryError> {
+/// Slots come from the `sel.slots_annotation` annotation, else `sel.default_slots`. A pod whose
+/// annotation is not a positive integer, or that needs a default of 0, is left out and reported
+/// in [`PodHosts::skipped`]: one malformed pod does not hide the others.
+pub fn hosts_from_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>, sel: &PodSelector) -> PodHosts {
     let mut by_name: Vec<(&str, HostSpec)> = Vec::new();
+    let mut skipped = Vec::new();
     for pod in pods {
         let name = pod.metadata.name.as_deref().unwrap_or_default();
         if pod.metadata.deletion_timestamp.is_some() || !is_ready(pod) {
@@ -137,11 +143,29 @@ pub fn hosts_from_pods<'a>(
                 _ => continue,
             },
         };
-        let slots = slots_of(pod, name, sel)?;
-        by_name.push((name, HostSpec { host, slots }));
+        match slots_of(pod, name, sel) {
+            Ok(slots) => by_name.push((name, HostSpec { host, slots })),
+            Err(e) => skipped.push(e),
+        }
     }
     by_name.sort_by(|a, b| a.0.cmp(b.0));
-    Ok(by_name.into_iter().map(|(_, h)| h).collect())
+    PodHosts {
+        hosts: by_name.into_iter().map(|(_, h)| h).collect(),
+        skipped,
+    }
+}
+
+/// Logs each skipped pod once while it stays malformed (`warned` holds what was logged); a pod
+/// fixed and broken again is logged again. Returns how many warnings it logged.
+fn warn_skipped(skipped: &[KubeDiscoveryError], warned: &mut BTreeSet<String>) -> usize {
+    let now: BTreeSet<String> = skipped.iter().map(ToString::to_string).collect();
+    let mut logged = 0;
+    for msg in now.difference(warned) {
+        tracing::warn!("{msg}; the pod is left out of the host set");
+        logged += 1;
+    }
+    *warned = now;
+    logged
 }
 
 fn slots_of(pod: &Pod, name: &str, sel: &PodSelector) -> Result<usize, KubeDiscoveryError> {
@@ -168,9 +192,10 @@ fn slots_of(pod: &Pod, name: &str, sel: &PodSelector) -> Result<usize, KubeDisco
 }
 
 /// Watches the selected pods and sends the full host set after every completed list and every
-/// time the set changes; sends `Err` when the watch fails (it keeps retrying with backoff) or a
-/// pod is malformed. Returns when `tx` is closed, or at once (after sending the error) when no
-/// client can be built or the selector is empty.
+/// time the set changes; sends `Err` when the watch fails (it keeps retrying with backoff). A pod
+/// with an unusable slot count is left out with a warning (once per pod and value). Returns when
+/// `tx` is closed, or at once (after sending the error) when no client can be built or the
+/// selector is empty.
 ///
 /// The client comes from the environment: in-cluster service-account config, else kubeconfig.
 pub async fn watch(sel: PodSelector, tx: mpsc::Sender<Result<Vec<HostSpec>, KubeDiscoveryError>>) {
@@ -201,6 +226,7 @@ pub async fn watch_with_client(
     let mut events = watcher(api, cfg).default_backoff().boxed();
     let mut cache = PodCache::default();
     let mut last_sent: Option<Vec<HostSpec>> = None;
+    let mut warned = BTreeSet::new();
     loop {
         let step = tokio::select! {
             () = tx.closed() => return,
@@ -226,19 +252,14 @@ pub async fn watch_with_client(
         if !cache.live() {
             continue;
         }
-        let msg = match hosts_from_pods(cache.pods.values(), &sel) {
-            Ok(hosts) if listed || last_sent.as_ref() != Some(&hosts) => {
-                tracing::debug!(hosts = hosts.len(), "pod host set");
-                last_sent = Some(hosts.clone());
-                Ok(hosts)
-            }
-            Ok(_) => continue,
-            Err(e) => {
-                last_sent = None;
-                Err(e)
-            }
-        };
-        if tx.send(msg).await.is_err() {
+        let PodHosts { hosts, skipped } = hosts_from_pods(cache.pods.values(), &sel);
+        warn_skipped(&skipped, &mut warned);
+        if !listed && last_sent.as_ref() == Some(&hosts) {
+            continue;
+        }
+        tracing::debug!(hosts = hosts.len(), "pod host set");
+        last_sent = Some(hosts.clone());
+        if tx.send(Ok(hosts)).await.is_err() {
             return;
         }
     }
@@ -359,7 +380,7 @@ mod tests {
             pod("w-2", Some("10.0.0.2"), true),
             pod("w-1", Some("10.0.0.1"), true),
         ];
-        let hosts = hosts_from_pods(&pods, &sel()).unwrap();
+        let hosts = hosts_from_pods(&pods, &sel()).hosts;
         assert_eq!(hosts, vec![hs("10.0.0.1", 2), hs("10.0.0.2", 2)]);
     }
 
@@ -371,7 +392,7 @@ mod tests {
             pod("c", None, true),
             pod("d", Some("10.0.0.4"), true),
         ];
-        let hosts = hosts_from_pods(&pods, &sel()).unwrap();
+        let hosts = hosts_from_pods(&pods, &sel()).hosts;
         assert_eq!(hosts, vec![hs("10.0.0.4", 2)]);
     }
 
@@ -379,23 +400,29 @@ mod tests {
     fn pod_without_conditions_is_not_ready() {
         let mut p = pod("a", Some("10.0.0.1"), true);
         p.status.as_mut().unwrap().conditions = None;
-        assert!(hosts_from_pods([&p], &sel()).unwrap().is_empty());
+        assert!(hosts_from_pods([&p], &sel()).hosts.is_empty());
     }
 
     #[test]
     fn annotation_overrides_default_slots() {
         let pods = [annotated(pod("a", Some("10.0.0.1"), true), " 8 ")];
         assert_eq!(
-            hosts_from_pods(&pods, &sel()).unwrap(),
+            hosts_from_pods(&pods, &sel()).hosts,
             vec![hs("10.0.0.1", 8)]
         );
     }
 
     #[test]
-    fn bad_annotation_names_pod_and_value() {
+    fn bad_annotation_skips_that_pod_only_and_names_it_with_the_value() {
         for bad in ["zero", "0", "-1", ""] {
-            let pods = [annotated(pod("w-7", Some("10.0.0.1"), true), bad)];
-            let err = hosts_from_pods(&pods, &sel()).unwrap_err();
+            let pods = [
+                annotated(pod("w-7", Some("10.0.0.1"), true), bad),
+                pod("w-8", Some("10.0.0.2"), true),
+            ];
+            let found = hosts_from_pods(&pods, &sel());
+            assert_eq!(found.hosts, vec![hs("10.0.0.2", 2)], "{bad}");
+            assert_eq!(found.skipped.len(), 1);
+            let err = &found.skipped[0];
             let msg = err.to_string();
             assert!(matches!(err, KubeDiscoveryError::BadSlots { .. }), "{msg}");
             assert!(
@@ -410,9 +437,17 @@ mod tests {
         let mut s = sel();
         s.default_slots = 0;
         let ok = [annotated(pod("a", Some("10.0.0.1"), true), "3")];
-        assert_eq!(hosts_from_pods(&ok, &s).unwrap(), vec![hs("10.0.0.1", 3)]);
+        let found = hosts_from_pods(&ok, &s);
+        assert_eq!(found.hosts, vec![hs("10.0.0.1", 3)]);
+        assert!(found.skipped.is_empty());
         let bad = [pod("b", Some("10.0.0.2"), true)];
-        let err = hosts_from_pods(&bad, &s).unwrap_err();
+        let found = hosts_from_pods(&bad, &s);
+        assert!(found.hosts.is_empty());
+        let err = &found.skipped[0];
+        assert!(
+            matches!(err, KubeDiscoveryError::ZeroDefaultSlots { .. }),
+            "{err}"
+        );
         assert!(err.to_string().contains("'b'"), "{err}");
     }
 
@@ -424,7 +459,7 @@ mod tests {
         with_hostname.spec.as_mut().unwrap().hostname = Some("w1".into());
         let pods = [with_hostname, pod("train-worker-0", Some("10.0.0.9"), true)];
         assert_eq!(
-            hosts_from_pods(&pods, &s).unwrap(),
+            hosts_from_pods(&pods, &s).hosts,
             vec![
                 hs("train-worker-0.train-workers.ml.svc", 2),
                 hs("w1.train-workers.ml.svc", 2)
@@ -550,6 +585,43 @@ mod tests {
         })));
         assert_eq!(recv(&mut rx).await, vec![hs("10.0.0.1", 2)]);
         task.abort();
+    }
+
+    #[tokio::test]
+    async fn watch_leaves_out_a_badly_annotated_pod_and_sends_the_rest() {
+        let (mut handle, mut rx, task) = start_watch();
+        let (_req, send) = next(&mut handle).await;
+        send.send_response(json_response(&serde_json::json!({
+            "apiVersion": "v1", "kind": "PodList",
+            "metadata": {"resourceVersion": "3"},
+            "items": [
+                annotated(pod("w-0", Some("10.0.0.1"), true), "lots"),
+                pod("w-1", Some("10.0.0.2"), true),
+            ],
+        })));
+        assert_eq!(recv(&mut rx).await, vec![hs("10.0.0.2", 2)]);
+        task.abort();
+    }
+
+    #[test]
+    fn a_skipped_pod_is_warned_about_once_per_value() {
+        let mut warned = BTreeSet::new();
+        let bad = |v: &str| {
+            hosts_from_pods(&[annotated(pod("w-0", Some("10.0.0.1"), true), v)], &sel()).skipped
+        };
+        assert_eq!(warn_skipped(&bad("x"), &mut warned), 1);
+        assert_eq!(
+            warn_skipped(&bad("x"), &mut warned),
+            0,
+            "same pod, same value"
+        );
+        assert_eq!(warn_skipped(&bad("y"), &mut warned), 1, "a new value");
+        assert_eq!(warn_skipped(&[], &mut warned), 0);
+        assert_eq!(
+            warn_skipped(&bad("y"), &mut warned),
+            1,
+            "broken again after a fix"
+        );
     }
 
     #[tokio::test]
