@@ -13,7 +13,8 @@ use crate::resources::{LABEL_ROLE, Names, ROLE_DRIVER, ROLE_WORKER};
 /// One change the reconciler makes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    /// Create the driver pod and what it needs (Secret, Service, ServiceAccount, Role, binding).
+    /// Create the job's Secret and the driver pod (the ServiceAccount, RBAC and Service are
+    /// applied on every reconcile of a running job, apart from the plan).
     CreateDriver,
     /// Create worker pod number `index`.
     CreateWorker {
