@@ -2,16 +2,24 @@
 //! host, shared by the workers started there. A worker's output arrives as messages and is fed
 //! to the same relay as a local worker's pipes; its exit, a start the agent refused, and a lost
 //! agent all end as one [`Exit`] on the launcher's channel.
+//!
+//! The agent's messages are read by a task of their own and handed over a channel, so a request
+//! sent while a message is half received never cuts it; each worker's output is written to its
+//! relay by a task of its own, so a relay that falls behind never holds up another worker's
+//! start, stop or exit.
 
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use hvd_agent::{FromAgent, Stream, ToAgent};
+use hvd_agent::{AgentError, Events, FromAgent, Stream, ToAgent};
 use tokio::io::{AsyncWriteExt, DuplexStream};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
+use tokio::task::JoinHandle;
 
 use crate::job::{Ended, Exit};
 
@@ -21,6 +29,11 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const QUEUE: usize = 4096;
 /// Bytes of a worker's output buffered between the connection and its relay.
 const PIPE: usize = 64 * 1024;
+/// Bytes of one output stream of a worker queued for its relay beyond [`PIPE`]; lines that
+/// come while this much waits are dropped (with a warning) rather than hold up the host.
+const BACKLOG: usize = 8 * 1024 * 1024;
+/// Messages read from an agent ahead of the connection handling them.
+const EVENTS: usize = 1024;
 
 /// The shared secret, kept out of debug output.
 #[derive(Clone)]
@@ -158,9 +171,108 @@ impl Agents {
 
 /// A worker the connection knows about.
 struct Live {
-    out: DuplexStream,
-    err: DuplexStream,
+    out: Feed,
+    err: Feed,
     started: bool,
+}
+
+/// One output stream of a worker: lines queued for a task that writes them to the worker's
+/// relay, at most `cap` bytes of them; the task ends (closing the pipe) once this is dropped
+/// and every queued line is written.
+struct Feed {
+    tx: mpsc::UnboundedSender<Vec<u8>>,
+    queued: Arc<AtomicUsize>,
+    cap: usize,
+    /// Lines dropped since the last one queued.
+    dropped: u64,
+    what: String,
+}
+
+impl Feed {
+    /// Starts the task writing to `pipe`; `what` names the stream in warnings.
+    fn new(pipe: DuplexStream, cap: usize, what: String) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(write_lines(rx, pipe, queued.clone()));
+        Self {
+            tx,
+            queued,
+            cap,
+            dropped: 0,
+            what,
+        }
+    }
+
+    /// Queues `line` (newline added), or drops it when the backlog is full.
+    fn push(&mut self, line: String) {
+        let mut bytes = line.into_bytes();
+        bytes.push(b'\n');
+        let len = bytes.len();
+        if self.queued.load(Ordering::Acquire) + len > self.cap {
+            if self.dropped == 0 {
+                tracing::warn!(
+                    stream = %self.what,
+                    backlog = self.cap,
+                    "output is not relayed fast enough; dropping lines"
+                );
+            }
+            self.dropped += 1;
+            return;
+        }
+        self.queued.fetch_add(len, Ordering::AcqRel);
+        // The writer only stops when its relay is gone, which drops the line anyway.
+        let _ = self.tx.send(bytes);
+        if self.dropped > 0 {
+            tracing::warn!(stream = %self.what, lines = self.dropped, "output lines were dropped");
+            self.dropped = 0;
+        }
+    }
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        if self.dropped > 0 {
+            tracing::warn!(stream = %self.what, lines = self.dropped, "output lines were dropped");
+        }
+    }
+}
+
+/// Writes queued lines to a worker's relay until the feed is dropped and drained.
+async fn write_lines(
+    mut rx: mpsc::UnboundedReceiver<Vec<u8>>,
+    mut pipe: DuplexStream,
+    queued: Arc<AtomicUsize>,
+) {
+    while let Some(bytes) = rx.recv().await {
+        let res = pipe.write_all(&bytes).await;
+        queued.fetch_sub(bytes.len(), Ordering::AcqRel);
+        // A relay that stopped (our own output closed) takes no more lines.
+        if res.is_err() {
+            break;
+        }
+    }
+}
+
+/// A task aborted when this is dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads the agent's messages and hands them over until the connection ends (the last one
+/// handed over is `Ok(None)` or the error) or nobody takes them. It runs on its own so no
+/// message is ever read by a future that is dropped half way.
+async fn read_events(mut events: Events, tx: mpsc::Sender<Result<Option<FromAgent>, AgentError>>) {
+    loop {
+        let ev = events.next().await;
+        let last = !matches!(ev, Ok(Some(_)));
+        if tx.send(ev).await.is_err() || last {
+            break;
+        }
+    }
 }
 
 /// The wait status for an exit code or a signal.
@@ -181,16 +293,18 @@ async fn connection(
     mut rx: mpsc::Receiver<Cmd>,
     exits: mpsc::Sender<Exit>,
 ) {
-    let (mut events, mut requests) =
-        match hvd_agent::connect(&addr, &secret.0, CONNECT_TIMEOUT).await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(%addr, error = %e, "cannot use the agent");
-                fail_queued(&mut rx, &exits, &e.to_string()).await;
-                return;
-            }
-        };
+    let (events, mut requests) = match hvd_agent::connect(&addr, &secret.0, CONNECT_TIMEOUT).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(%addr, error = %e, "cannot use the agent");
+            fail_queued(&mut rx, &exits, &e.to_string()).await;
+            return;
+        }
+    };
     tracing::info!(%addr, "connected to the agent");
+    let (ev_tx, mut ev_rx) = mpsc::channel(EVENTS);
+    // Dropped on every way out: the read half closes with the write half.
+    let _reader = AbortOnDrop(tokio::spawn(read_events(events, ev_tx)));
     let mut live: HashMap<u64, Live> = HashMap::new();
     let lost = loop {
         tokio::select! {
@@ -198,6 +312,8 @@ async fn connection(
                 let req = match cmd {
                     None => return, // the job is over; closing the connection stops the rest
                     Some(Cmd::Start { id, argv, env, cwd, out, err }) => {
+                        let out = Feed::new(out, BACKLOG, format!("worker {id} stdout at {addr}"));
+                        let err = Feed::new(err, BACKLOG, format!("worker {id} stderr at {addr}"));
                         live.insert(id, Live { out, err, started: false });
                         ToAgent::Start { id, argv, env, cwd }
                     }
@@ -210,44 +326,42 @@ async fn connection(
                     break e.to_string();
                 }
             }
-            ev = events.next() => match ev {
-                Ok(Some(FromAgent::Started { id, pid })) => {
+            ev = ev_rx.recv() => match ev {
+                Some(Ok(Some(FromAgent::Started { id, pid }))) => {
                     tracing::debug!(worker = id, pid, %addr, "worker started by the agent");
                     if let Some(w) = live.get_mut(&id) {
                         w.started = true;
                     }
                 }
-                Ok(Some(FromAgent::StartFailed { id, error })) => {
+                Some(Ok(Some(FromAgent::StartFailed { id, error }))) => {
                     live.remove(&id);
                     let end = Ended::NotStarted(format!("the hvd agent at {addr}: {error}"));
                     let _ = exits.send(Exit { worker: id, end }).await;
                 }
-                Ok(Some(FromAgent::Output { id, stream, line })) => {
+                Some(Ok(Some(FromAgent::Output { id, stream, line }))) => {
                     if let Some(w) = live.get_mut(&id) {
-                        let pipe = match stream {
-                            Stream::Stdout => &mut w.out,
-                            Stream::Stderr => &mut w.err,
-                        };
-                        let mut bytes = line.into_bytes();
-                        bytes.push(b'\n');
-                        // A relay that stopped (our own output closed) drops the line.
-                        let _ = pipe.write_all(&bytes).await;
+                        match stream {
+                            Stream::Stdout => w.out.push(line),
+                            Stream::Stderr => w.err.push(line),
+                        }
                     }
                 }
-                Ok(Some(FromAgent::Exited { id, code, signal })) => {
-                    // Dropping the pipes ends the worker's relays after the lines above.
+                Some(Ok(Some(FromAgent::Exited { id, code, signal }))) => {
+                    // Dropping the feeds ends the worker's relays after the lines above.
                     live.remove(&id);
                     let end = Ended::Status(status(code, signal));
                     let _ = exits.send(Exit { worker: id, end }).await;
                 }
-                Ok(Some(FromAgent::Error { reason })) => {
+                Some(Ok(Some(FromAgent::Error { reason }))) => {
                     tracing::warn!(%addr, %reason, "the agent reports an error");
                 }
-                Ok(Some(other)) => {
+                Some(Ok(Some(other))) => {
                     tracing::warn!(%addr, message = ?other, "unexpected message from the agent");
                 }
-                Ok(None) => break format!("the hvd agent at {addr} closed the connection"),
-                Err(e) => break e.to_string(),
+                Some(Ok(None)) | None => {
+                    break format!("the hvd agent at {addr} closed the connection")
+                }
+                Some(Err(e)) => break e.to_string(),
             },
         }
     };
@@ -275,8 +389,17 @@ async fn fail_queued(rx: &mut mpsc::Receiver<Cmd>, exits: &mpsc::Sender<Exit>, w
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+    use hvd_agent::auth;
+    use hvd_rendezvous::{decode_line, encode_line};
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+    use tokio::net::TcpListener;
+    use tokio::sync::oneshot;
+
+    const SECRET: &str = "test-secret-0123456789";
+    const WAIT: Duration = Duration::from_secs(20);
 
     #[test]
     fn exit_codes_and_signals_become_wait_statuses() {
@@ -293,5 +416,312 @@ mod tests {
         assert_eq!(a.addr("10.0.0.1"), "10.0.0.1:7077");
         assert_eq!(a.addr("fd00::1"), "[fd00::1]:7077");
         assert_eq!(format!("{:?}", a.secret), "Secret(..)");
+    }
+
+    /// Everything read from `pipe` until it closes.
+    async fn read_all(mut pipe: DuplexStream) -> String {
+        let mut s = String::new();
+        tokio::time::timeout(WAIT, pipe.read_to_string(&mut s))
+            .await
+            .expect("output never ended")
+            .unwrap();
+        s
+    }
+
+    /// The next exit on `exits`.
+    async fn next_exit(exits: &mut mpsc::Receiver<Exit>) -> Exit {
+        tokio::time::timeout(WAIT, exits.recv())
+            .await
+            .expect("no exit in time")
+            .expect("exit channel closed")
+    }
+
+    fn sh(script: &str) -> Vec<String> {
+        vec!["sh".into(), "-c".into(), script.into()]
+    }
+
+    /// A real agent served in this process on a free loopback port.
+    struct Served {
+        port: u16,
+        stop: Option<oneshot::Sender<()>>,
+        task: JoinHandle<()>,
+    }
+
+    impl Served {
+        async fn start() -> Self {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let (stop, stopped) = oneshot::channel::<()>();
+            let task = tokio::spawn(hvd_agent::serve(listener, SECRET.into(), async move {
+                let _ = stopped.await;
+            }));
+            Self {
+                port,
+                stop: Some(stop),
+                task,
+            }
+        }
+
+        /// Stops the agent and whatever it still runs.
+        async fn shutdown(mut self) {
+            if let Some(s) = self.stop.take() {
+                let _ = s.send(());
+            }
+            let _ = tokio::time::timeout(WAIT, &mut self.task).await;
+        }
+    }
+
+    impl Drop for Served {
+        fn drop(&mut self) {
+            if let Some(s) = self.stop.take() {
+                let _ = s.send(());
+            }
+        }
+    }
+
+    /// A fake agent's end of an authenticated connection.
+    struct Fake {
+        reader: BufReader<tokio::net::tcp::OwnedReadHalf>,
+        writer: tokio::net::tcp::OwnedWriteHalf,
+    }
+
+    impl Fake {
+        async fn accept(listener: &TcpListener) -> Self {
+            let (stream, _) = listener.accept().await.unwrap();
+            let (r, writer) = stream.into_split();
+            let mut fake = Self {
+                reader: BufReader::new(r),
+                writer,
+            };
+            let nonce = auth::nonce().unwrap();
+            fake.send(&FromAgent::Challenge {
+                nonce: nonce.clone(),
+            })
+            .await;
+            let ToAgent::Auth { mac, nonce: theirs } = fake.recv().await else {
+                panic!("no auth");
+            };
+            assert!(auth::verify(SECRET, auth::DRIVER_LABEL, &nonce, &mac));
+            let mac = auth::mac(SECRET, auth::AGENT_LABEL, &theirs).unwrap();
+            fake.send(&FromAgent::Welcome { mac }).await;
+            fake
+        }
+
+        async fn send(&mut self, msg: &FromAgent) {
+            self.writer
+                .write_all(&encode_line(msg).unwrap())
+                .await
+                .unwrap();
+        }
+
+        async fn recv(&mut self) -> ToAgent {
+            let mut line = Vec::new();
+            self.reader.read_until(b'\n', &mut line).await.unwrap();
+            decode_line(&line).unwrap()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_message_half_received_when_a_request_goes_out_arrives_whole() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (half_tx, half_rx) = oneshot::channel();
+        let fake = tokio::spawn(async move {
+            let mut f = Fake::accept(&listener).await;
+            assert!(matches!(f.recv().await, ToAgent::Start { id: 1, .. }));
+            assert!(matches!(f.recv().await, ToAgent::Start { id: 2, .. }));
+            f.send(&FromAgent::Started { id: 1, pid: 10 }).await;
+            f.send(&FromAgent::Started { id: 2, pid: 11 }).await;
+            let line = encode_line(&FromAgent::Output {
+                id: 1,
+                stream: Stream::Stdout,
+                line: "a line cut in two by a stop".into(),
+            })
+            .unwrap();
+            let (first, rest) = line.split_at(line.len() / 2);
+            f.writer.write_all(first).await.unwrap();
+            half_tx.send(()).unwrap();
+            // The driver sends a request while the line is half read.
+            assert_eq!(f.recv().await, ToAgent::Stop { id: 2, grace_ms: 0 });
+            f.writer.write_all(rest).await.unwrap();
+            f.send(&FromAgent::Exited {
+                id: 2,
+                code: None,
+                signal: Some(9),
+            })
+            .await;
+            f.send(&FromAgent::Exited {
+                id: 1,
+                code: Some(0),
+                signal: None,
+            })
+            .await;
+            f // keeps the connection open
+        });
+        let mut agents = Agents::new(port, SECRET.into());
+        let (exit_tx, mut exits) = mpsc::channel(16);
+        let (_r1, out1, _e1) = agents
+            .start("127.0.0.1", 1, sh("x"), vec![], None, &exit_tx)
+            .unwrap();
+        let (r2, _o2, _e2) = agents
+            .start("127.0.0.1", 2, sh("x"), vec![], None, &exit_tx)
+            .unwrap();
+        half_rx.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        r2.stop(Duration::ZERO);
+        let first = next_exit(&mut exits).await;
+        assert_eq!(first.worker, 2);
+        assert!(
+            matches!(first.end, Ended::Status(s) if s.signal() == Some(9)),
+            "{:?}",
+            first.end
+        );
+        let second = next_exit(&mut exits).await;
+        assert_eq!(second.worker, 1);
+        assert!(
+            matches!(second.end, Ended::Status(s) if s.success()),
+            "{:?}",
+            second.end
+        );
+        assert_eq!(read_all(out1).await, "a line cut in two by a stop\n");
+        drop(fake.await.unwrap());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fast_output_loses_no_line_while_others_start_and_stop() {
+        let served = Served::start().await;
+        let mut agents = Agents::new(served.port, SECRET.into());
+        let (exit_tx, mut exits) = mpsc::channel(1024);
+        // Long lines: the agent's messages often arrive in pieces.
+        const N: usize = 400;
+        const WIDTH: usize = 20_000;
+        let script = format!(
+            "awk 'BEGIN {{ s = \"x\"; while (length(s) < {WIDTH}) s = s s; \
+             s = substr(s, 1, {WIDTH}); for (i = 1; i <= {N}; i++) print i s }}'"
+        );
+        let (_r, out, _e) = agents
+            .start("127.0.0.1", 1, sh(&script), vec![], None, &exit_tx)
+            .unwrap();
+        let reader = tokio::spawn(read_all(out));
+        let mut others = Vec::new();
+        let mut id = 1;
+        while !reader.is_finished() && id < 500 {
+            id += 1;
+            let (r, o, e) = agents
+                .start("127.0.0.1", id, sh("exec sleep 20"), vec![], None, &exit_tx)
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            r.stop(Duration::ZERO);
+            others.push((o, e));
+        }
+        let text = tokio::time::timeout(WAIT, reader).await.unwrap().unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), N, "lines were lost");
+        let pad = "x".repeat(WIDTH);
+        for (i, l) in lines.iter().enumerate() {
+            assert_eq!(*l, format!("{}{pad}", i + 1), "line {i}");
+        }
+        for _ in 0..id {
+            let e = next_exit(&mut exits).await;
+            assert!(
+                matches!(e.end, Ended::Status(_)),
+                "{}: {:?}",
+                e.worker,
+                e.end
+            );
+        }
+        drop(agents);
+        served.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_relay_holds_up_no_other_worker() {
+        let served = Served::start().await;
+        let mut agents = Agents::new(served.port, SECRET.into());
+        let (exit_tx, mut exits) = mpsc::channel(16);
+        const N: u32 = 200_000; // far more than the pipe to the relay holds
+        let (_r1, out1, _e1) = agents
+            .start(
+                "127.0.0.1",
+                1,
+                sh(&format!("seq 1 {N}; exec sleep 20")),
+                vec![],
+                None,
+                &exit_tx,
+            )
+            .unwrap();
+        // Nobody reads worker 1's output for now.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (r2, out2, _e2) = agents
+            .start(
+                "127.0.0.1",
+                2,
+                sh("echo up; exec sleep 20"),
+                vec![],
+                None,
+                &exit_tx,
+            )
+            .unwrap();
+        let mut out2 = BufReader::new(out2);
+        let mut up = String::new();
+        tokio::time::timeout(WAIT, out2.read_line(&mut up))
+            .await
+            .expect("worker 2's output is held up")
+            .unwrap();
+        assert_eq!(up, "up\n");
+        r2.stop(Duration::ZERO);
+        let e = tokio::time::timeout(Duration::from_secs(5), exits.recv())
+            .await
+            .expect("worker 2's stop is held up")
+            .unwrap();
+        assert_eq!(e.worker, 2);
+        assert!(
+            matches!(e.end, Ended::Status(s) if s.signal() == Some(9)),
+            "{:?}",
+            e.end
+        );
+        // Worker 1's output was kept for its relay.
+        let mut out1 = BufReader::new(out1);
+        let mut line = String::new();
+        for i in 1..=N {
+            line.clear();
+            tokio::time::timeout(WAIT, out1.read_line(&mut line))
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(line, format!("{i}\n"));
+        }
+        drop(agents);
+        served.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_full_backlog_drops_lines_and_recovers() {
+        let (w, mut r) = tokio::io::duplex(16);
+        let mut feed = Feed::new(w, 100, "test".into());
+        for i in 0..10 {
+            feed.push(format!("{i:019}")); // 20 bytes with the newline
+        }
+        // Nothing is written yet: five lines fill the backlog, the other five are dropped.
+        assert_eq!(feed.dropped, 5);
+        let mut buf = vec![0; 100];
+        r.read_exact(&mut buf).await.unwrap();
+        let got = String::from_utf8(buf).unwrap();
+        let want: String = (0..5).map(|i| format!("{i:019}\n")).collect();
+        assert_eq!(got, want);
+        // Drained: lines are taken again and the count starts over.
+        tokio::time::timeout(WAIT, async {
+            while feed.queued.load(Ordering::Acquire) > 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .unwrap();
+        feed.push("again".into());
+        assert_eq!(feed.dropped, 0);
+        drop(feed);
+        let mut rest = String::new();
+        r.read_to_string(&mut rest).await.unwrap();
+        assert_eq!(rest, "again\n");
     }
 }
