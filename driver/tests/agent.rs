@@ -421,3 +421,53 @@ fn a_failing_or_killed_rank_fails_the_static_job_and_leaves_no_process_behind() 
     );
     wait_gone(&pids, "ranks left running after the failure");
 }
+
+/// One HTTP GET of `path` from `addr`; the status code and the parsed JSON body.
+fn http_get(addr: &str, path: &[u8]) -> (u16, serde_json::Value) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut req = b"GET ".to_vec();
+    req.extend_from_slice(path);
+    req.extend_from_slice(b" HTTP/1.1\r\nHost: x\r\n\r\n");
+    s.write_all(&req).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+    let code = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let json = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body:?}"));
+    (code, json)
+}
+
+#[test]
+fn the_status_endpoint_answers_ipv4_and_ipv6_clients_with_json() {
+    let secret = format!("status-{}", std::process::id());
+    let (_agents, port) = agents(&["127.0.0.2"], &secret);
+    let status_port = {
+        let l = std::net::TcpListener::bind("[::]:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let sp = status_port.to_string();
+    let mut job = elastic_job(
+        "agent-status",
+        &["127.0.0.2:2"],
+        &["-np", "2", "--status-port", &sp],
+        port,
+        &secret,
+    );
+    job.wait_step(5, 2);
+    let mut clients = vec![format!("127.0.0.1:{status_port}")];
+    if std::net::TcpListener::bind("[::1]:0").is_ok() {
+        clients.push(format!("[::1]:{status_port}"));
+    }
+    for addr in &clients {
+        let (code, v) = http_get(addr, b"/status");
+        assert_eq!(code, 200, "{addr}: {v}");
+        assert_eq!(v["workers"], 2, "{addr}: {v}");
+        let (code, v) = http_get(addr, "/caf\u{e9}/\"\\".as_bytes());
+        assert_eq!(code, 404, "{addr}: {v}");
+        assert_eq!(v["error"], "no such path: /caf\u{e9}/\"\\; try /status");
+    }
+    let (code, err, _) = job.finish();
+    assert_eq!(code, 0, "{err}");
+}
