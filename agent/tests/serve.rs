@@ -67,9 +67,31 @@ impl Raw {
         }
     }
 
+    /// Connected with a receive buffer of `rcvbuf` bytes (the kernel doubles it), so that a
+    /// reader that does not read stops the agent soon.
+    async fn with_rcvbuf(addr: &str, rcvbuf: u32) -> Raw {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(rcvbuf).unwrap();
+        let (r, w) = socket
+            .connect(addr.parse().unwrap())
+            .await
+            .unwrap()
+            .into_split();
+        Raw {
+            r: BufReader::new(r),
+            w,
+        }
+    }
+
     /// Connected and authenticated.
     async fn authenticated(addr: &str) -> Raw {
-        let mut c = Raw::connect(addr).await;
+        let c = Raw::connect(addr).await;
+        c.authenticate().await
+    }
+
+    /// Answers the challenge and checks the welcome.
+    async fn authenticate(mut self) -> Raw {
+        let c = &mut self;
         let FromAgent::Challenge { nonce } = c.recv().await.unwrap() else {
             panic!("no challenge")
         };
@@ -85,7 +107,7 @@ impl Raw {
             }
             other => panic!("{other:?}"),
         }
-        c
+        self
     }
 
     async fn send(&mut self, msg: &ToAgent) {
@@ -504,14 +526,26 @@ async fn the_client_keeps_a_message_cut_across_reads_when_its_read_is_cancelled(
     );
 }
 
-/// A process whose child ignores SIGTERM: prints the child's pid, then `then`.
-const TERM_IGNORING_CHILD: &str = "(trap '' TERM; exec sleep 30) & echo $!;";
+/// Shell commands that start a child ignoring SIGTERM and print its pid once it does.
+fn term_ignoring_child(tag: &str) -> String {
+    let f = format!("hvd-agent-test-{}-{tag}", std::process::id());
+    format!(
+        "rm -f {f}; sh -c 'trap \"\" TERM; echo $$ > {f}.tmp; mv {f}.tmp {f}; exec sleep 30' & \
+         while [ ! -s {f} ]; do sleep 0.01; done; cat {f}; rm -f {f};"
+    )
+}
 
 #[tokio::test]
 async fn stop_kills_a_term_ignoring_child_once_its_leader_exited() {
     let (addr, _stop) = agent().await;
     let (mut ev, mut rq) = connect(&addr, SECRET, T).await.unwrap();
-    start(&mut rq, 1, &format!("{TERM_IGNORING_CHILD} wait"), &[]).await;
+    start(
+        &mut rq,
+        1,
+        &format!("{} wait", term_ignoring_child("stop")),
+        &[],
+    )
+    .await;
     started(&mut ev, 1).await;
     let child: i32 = match next(&mut ev).await {
         FromAgent::Output { line, .. } => line.trim().parse().unwrap(),
@@ -535,7 +569,13 @@ async fn stop_kills_a_term_ignoring_child_once_its_leader_exited() {
 async fn a_child_left_by_an_exited_leader_does_not_outlive_the_driver() {
     let (addr, _stop) = agent().await;
     let (mut ev, mut rq) = connect(&addr, SECRET, T).await.unwrap();
-    start(&mut rq, 1, &format!("{TERM_IGNORING_CHILD} exit 0"), &[]).await;
+    start(
+        &mut rq,
+        1,
+        &format!("{} exit 0", term_ignoring_child("exit")),
+        &[],
+    )
+    .await;
     started(&mut ev, 1).await;
     let (out, _, exit) = run_to_exit(&mut ev, 1).await;
     assert_eq!(exit, (Some(0), None));
@@ -550,27 +590,34 @@ async fn a_child_left_by_an_exited_leader_does_not_outlive_the_driver() {
 #[tokio::test]
 async fn the_last_lines_of_a_crash_arrive_before_its_exit_when_the_driver_lags() {
     let (addr, _stop) = agent().await;
-    let (mut ev, mut rq) = connect(&addr, SECRET, T).await.unwrap();
-    // 30 MB of output, more than the agent's queue and the socket buffers hold, then the
-    // crash's last words, then death by SIGKILL.
-    const LINES: usize = 30_000;
-    start(
-        &mut rq,
+    let mut c = Raw::with_rcvbuf(&addr, 4096).await.authenticate().await;
+    // Output without end in the background, until the agent's queue and the socket are
+    // full; then a traceback of many lines, then death by SIGKILL.
+    c.send(&sh(
         1,
-        &format!(
-            "head -c {} /dev/zero | tr '\\0' x | fold -w 999; echo last words >&2; kill -9 $$",
-            LINES * 999
-        ),
-        &[],
-    )
+        "yes x & sleep 1.5; i=0; while [ $i -lt 20 ]; do echo trace $i >&2; i=$((i+1)); done; \
+         kill -9 $$",
+    ))
     .await;
     // The driver is busy elsewhere while the process writes and dies.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let (out, err, exit) = run_to_exit(&mut ev, 1).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut err = Vec::new();
+    let exit = loop {
+        match c.recv().await.unwrap() {
+            FromAgent::Output {
+                stream: Stream::Stdout,
+                line,
+                ..
+            } => assert_eq!(line, "x"),
+            FromAgent::Output { line, .. } => err.push(line),
+            FromAgent::Exited { code, signal, .. } => break (code, signal),
+            FromAgent::Started { .. } => {}
+            other => panic!("{other:?}"),
+        }
+    };
     assert_eq!(exit, (None, Some(9)));
-    assert_eq!(err, ["last words"], "stderr before the exit");
-    assert_eq!(out.len(), LINES, "stdout lines before the exit");
-    assert!(out.iter().all(|l| l.len() == 999));
+    let trace: Vec<String> = (0..20).map(|i| format!("trace {i}")).collect();
+    assert_eq!(err, trace, "the whole traceback before the exit");
 }
 
 #[tokio::test]
