@@ -670,7 +670,7 @@ mod tests {
             .unwrap();
         assert_eq!(up, "up\n");
         r2.stop(Duration::ZERO);
-        let e = tokio::time::timeout(Duration::from_secs(5), exits.recv())
+        let e = tokio::time::timeout(WAIT, exits.recv())
             .await
             .expect("worker 2's stop is held up")
             .unwrap();
