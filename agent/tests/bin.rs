@@ -1,9 +1,12 @@
 //! The `hvd-agent` binary: it refuses to start without a secret, keeps the secret from the
-//! processes it starts, and stops them when it is told to shut down.
+//! processes it starts (its environment and /proc entry included), stops them when it is told
+//! to shut down, reaps the orphans it inherits, and listens on IPv6 and IPv4 at once.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -25,13 +28,22 @@ impl Drop for Agent {
 }
 
 fn agent(args: &[&str], secret: Option<&str>) -> Agent {
+    agent_as(args, secret, None)
+}
+
+/// An agent running as user and group `uid` when given.
+fn agent_as(args: &[&str], secret: Option<&str>, uid: Option<u32>) -> Agent {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_hvd-agent"));
-    cmd.args(["--listen", "127.0.0.1:0"])
-        .args(args)
-        .env("RUST_LOG", "info");
+    if !args.contains(&"--listen") {
+        cmd.args(["--listen", "127.0.0.1:0"]);
+    }
+    cmd.args(args).env("RUST_LOG", "info");
     cmd.env_remove("HVD_AGENT_SECRET");
     if let Some(s) = secret {
         cmd.env("HVD_AGENT_SECRET", s);
+    }
+    if let Some(id) = uid {
+        cmd.uid(id).gid(id).current_dir("/");
     }
     let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
@@ -159,4 +171,103 @@ async fn sigterm_stops_the_agent_and_its_processes() {
     };
     assert!(status.success(), "{status:?}");
     assert!(!alive(pid));
+}
+
+/// Runs `script` through `sh -c` on the agent; its output lines and exit.
+async fn run_script(addr: &str, secret: &str, script: &str) -> (Vec<String>, Option<i32>) {
+    let (mut ev, mut rq) = connect(addr, secret, T).await.unwrap();
+    rq.send(&ToAgent::Start {
+        id: 1,
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        env: vec![],
+        cwd: None,
+    })
+    .await
+    .unwrap();
+    let mut lines = Vec::new();
+    loop {
+        match tokio::time::timeout(T, ev.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap()
+        {
+            FromAgent::Output { line, .. } => lines.push(line),
+            FromAgent::Exited { code, .. } => return (lines, code),
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_process_of_the_same_user_cannot_read_the_agents_environment() {
+    // As root every /proc entry is readable: then the agent and its process run as nobody.
+    let root = std::fs::metadata("/proc/self").unwrap().uid() == 0;
+    let a = agent_as(&[], Some("env-secret"), root.then_some(65534));
+    let (lines, code) = run_script(
+        &a.addr,
+        "env-secret",
+        "id -u; tr '\\0' '\\n' < /proc/$PPID/environ",
+    )
+    .await;
+    if root {
+        assert_eq!(
+            lines.first().map(String::as_str),
+            Some("65534"),
+            "{lines:?}"
+        );
+    }
+    assert!(
+        !lines.iter().any(|l| l.contains("env-secret")),
+        "the agent's environment was readable: {lines:?}"
+    );
+    assert_ne!(code, Some(0), "{lines:?}");
+}
+
+#[tokio::test]
+async fn orphans_are_reaped() {
+    let a = agent(&["--reap-orphans"], Some("s"));
+    // The background sleep outlives its parent: it is killed with its group, and its zombie
+    // goes to the agent.
+    let (lines, code) = run_script(&a.addr, "s", "sleep 30 & echo $!").await;
+    assert_eq!(
+        code,
+        Some(0),
+        "the agent's own child was waited for as usual"
+    );
+    let orphan: i32 = lines[0].parse().unwrap();
+    let agent_pid = a.child.id().to_string();
+    let adopted_zombie = || {
+        std::fs::read_to_string(format!("/proc/{orphan}/stat")).is_ok_and(|s| {
+            let f: Vec<&str> = s.rsplit_once(')').unwrap().1.split_whitespace().collect();
+            f[0] == "Z" && f[1] == agent_pid
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while adopted_zombie() {
+        assert!(Instant::now() < deadline, "the orphan was never reaped");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!alive(orphan));
+}
+
+#[tokio::test]
+async fn the_ipv6_wildcard_takes_ipv4_connections_too() {
+    let a = agent(&["--listen", "[::]:0"], Some("s"));
+    let port = a.addr.rsplit_once(':').unwrap().1;
+    let (lines, _) = run_script(&format!("127.0.0.1:{port}"), "s", "echo v4").await;
+    assert_eq!(lines, ["v4"]);
+    // Where the host has IPv6 (the agent fell back to 0.0.0.0 otherwise).
+    if a.addr.starts_with("[::]") {
+        let (lines, _) = run_script(&format!("[::1]:{port}"), "s", "echo v6").await;
+        assert_eq!(lines, ["v6"]);
+    } else {
+        assert!(a.addr.starts_with("0.0.0.0:"), "{}", a.addr);
+    }
+    let help = Command::new(env!("CARGO_BIN_EXE_hvd-agent"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("[default: [::]:7077]"), "{help}");
 }
