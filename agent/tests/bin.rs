@@ -101,32 +101,12 @@ async fn the_secret_file_works_and_the_secret_does_not_reach_the_processes() {
     let a = agent(&["--secret-file", file.to_str().unwrap()], Some("from-env"));
     let _ = std::fs::remove_file(&file);
     assert!(connect(&a.addr, "from-env", T).await.is_err());
-    let (mut ev, mut rq) = connect(&a.addr, "from-file", T).await.unwrap();
-    rq.send(&ToAgent::Start {
-        id: 1,
-        argv: vec![
-            "sh".into(),
-            "-c".into(),
-            "echo \"secret=${HVD_AGENT_SECRET:-unset}\"".into(),
-        ],
-        env: vec![],
-        cwd: None,
-    })
-    .await
-    .unwrap();
-    let mut lines = Vec::new();
-    loop {
-        match tokio::time::timeout(T, ev.next())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap()
-        {
-            FromAgent::Output { line, .. } => lines.push(line),
-            FromAgent::Exited { .. } => break,
-            _ => {}
-        }
-    }
+    let (lines, _) = run_script(
+        &a.addr,
+        "from-file",
+        "echo \"secret=${HVD_AGENT_SECRET:-unset}\"",
+    )
+    .await;
     assert_eq!(lines, ["secret=unset"]);
 }
 
