@@ -42,6 +42,9 @@ struct Args {
     /// Lines to print on stdout and on stderr.
     #[arg(long, default_value_t = 1)]
     lines: usize,
+    /// Elements (i64) of the checked allreduce; above 4096 it takes the ring between hosts.
+    #[arg(long, default_value_t = 1000)]
+    elems: usize,
 }
 
 /// Ends the process when a process set's allreduce is wrong.
@@ -71,7 +74,7 @@ fn main() -> anyhow::Result<()> {
         println!("out line {i} from rank {}", t.rank);
         eprintln!("err line {i} from rank {}", t.rank);
     }
-    let mut v = vec![t.rank as i64 + 1; 1000];
+    let mut v = vec![t.rank as i64 + 1; args.elems];
     hvd::allreduce(&mut v, ReduceOp::Sum)?;
     let want = (t.size * (t.size + 1) / 2) as i64;
     if v.iter().any(|&x| x != want) {

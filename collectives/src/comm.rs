@@ -42,6 +42,8 @@ pub struct Communicator {
     posted: Option<u64>,
     /// Ranks of the world running on this machine (they share its cores).
     machine_ranks: usize,
+    /// Further connections to each peer, over which the ring stripes its segments.
+    extra: Vec<Vec<TcpStream>>,
 }
 
 /// The two communicators of a hierarchical allreduce, over the world's own sockets: the ranks
@@ -135,7 +137,10 @@ impl Communicator {
                 detail: format!("{} peer addresses for a world of {}", peers.len(), cfg.size),
             });
         }
-        let mut streams = connect::mesh(&cfg, listener, peers)?;
+        let connect::Mesh {
+            primary: mut streams,
+            extra,
+        } = connect::mesh(&cfg, listener, peers)?;
         let host_of = host_groups(peers);
         let mailbox = Mailbox::new(cfg.small_bytes);
         let agreed = crate::cma::negotiate(
@@ -152,6 +157,7 @@ impl Communicator {
         })?;
         let forced = cfg.hierarchical == Some(true);
         let mut comm = Self::from_streams(cfg, streams, Arc::new(Shared::default()));
+        comm.set_extra(extra)?;
         comm.cma = agreed.world.then(|| agreed.pids.clone());
         comm.mailbox = mailbox;
         comm.machine_ranks = agreed.machine_ranks;
@@ -248,7 +254,18 @@ impl Communicator {
             };
             streams.push(s);
         }
+        let dup = |s: &TcpStream| {
+            s.try_clone().map_err(|source| CommError::Io {
+                context: "duplicating a socket for hierarchical allreduce".into(),
+                source,
+            })
+        };
+        let mut extra = Vec::with_capacity(members.len());
+        for &m in members {
+            extra.push(self.extra[m].iter().map(dup).collect::<Result<Vec<_>>>()?);
+        }
         let mut c = Self::from_streams(cfg, streams, Arc::clone(&self.shared));
+        c.extra = extra;
         c.cma = cma;
         c.machine_ranks = self.machine_ranks;
         Ok(c)
@@ -329,6 +346,18 @@ impl Communicator {
         }
     }
 
+    /// Takes the further connections to each peer; a failure closes them with the rest.
+    fn set_extra(&mut self, extra: Vec<Vec<TcpStream>>) -> Result<()> {
+        for s in extra.iter().flatten() {
+            self.shared.register(s).map_err(|source| CommError::Io {
+                context: "registering a connection".into(),
+                source,
+            })?;
+        }
+        self.extra = extra;
+        Ok(())
+    }
+
     /// Forgets which read timeouts are set: another communicator over the same sockets may
     /// have changed them.
     pub(crate) fn forget_timeouts(&mut self) {
@@ -377,6 +406,7 @@ impl Communicator {
             mail: None,
             posted: None,
             machine_ranks: 1,
+            extra: (0..n).map(|_| Vec::new()).collect(),
         }
     }
 
@@ -800,17 +830,37 @@ impl Communicator {
                 cause: "missing ring connection".into(),
             }));
         };
-        let res = pipeline::run(
-            &self.shared,
-            reader,
-            left,
-            writer,
-            right,
-            segments,
-            first,
-            recvs,
-            timeout,
-        );
+        let res = if self.extra[left].is_empty() || self.extra[right].is_empty() {
+            pipeline::run(
+                &self.shared,
+                reader,
+                left,
+                writer,
+                right,
+                segments,
+                first,
+                recvs,
+                timeout,
+            )
+        } else {
+            let reads: Vec<&TcpStream> = std::iter::once(&*reader)
+                .chain(self.extra[left].iter())
+                .collect();
+            let writes: Vec<&TcpStream> = std::iter::once(&*writer)
+                .chain(self.extra[right].iter())
+                .collect();
+            pipeline::run_striped(
+                &self.shared,
+                &reads,
+                left,
+                &writes,
+                right,
+                segments,
+                first,
+                recvs,
+                timeout,
+            )
+        };
         res.map_err(|f| self.link_error(f, op, Phase::Data))
     }
 

@@ -2,6 +2,9 @@
 
 use std::time::Duration;
 
+/// Most TCP connections per peer ([`CommConfig::streams`]).
+pub const MAX_STREAMS: usize = 15;
+
 /// How a [`crate::Communicator`] connects and how long it waits.
 #[derive(Debug, Clone)]
 pub struct CommConfig {
@@ -32,6 +35,10 @@ pub struct CommConfig {
     /// `Some(true)` asks for it (logged when it cannot apply), `Some(false)` never uses it.
     /// Ranks listening on one address form one host. Every rank must want it.
     pub hierarchical: Option<bool>,
+    /// TCP connections to each peer (1 to 15); with more than one, the ring's segments are
+    /// striped over all of them, which pays where one stream cannot fill a link (a long, fat
+    /// network). Every rank must use the same number.
+    pub streams: usize,
 }
 
 impl CommConfig {
@@ -49,6 +56,7 @@ impl CommConfig {
             small_bytes: 32 * 1024,
             same_host_copy: true,
             hierarchical: None,
+            streams: 1,
         }
     }
 
@@ -77,6 +85,12 @@ impl CommConfig {
             if d.is_zero() {
                 return Err(format!("{name} must be positive"));
             }
+        }
+        if !(1..=MAX_STREAMS).contains(&self.streams) {
+            return Err(format!(
+                "streams must be 1 to {MAX_STREAMS}, not {}",
+                self.streams
+            ));
         }
         if self.segment_bytes < 4096 {
             return Err(format!(

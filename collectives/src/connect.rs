@@ -1,8 +1,9 @@
 //! Building the full mesh of connections, with a handshake that authenticates every peer.
 //!
-//! Rank `i` connects to every lower rank and accepts from every higher one. The connecting side
-//! sends a hello (protocol magic, its rank, the rank it expects, the rendezvous generation and the
-//! job token); the accepting side answers with one status byte, so a refused peer learns why.
+//! Rank `i` connects to every lower rank and accepts from every higher one, `streams` times
+//! each. The connecting side sends a hello (protocol magic, its rank, the rank it expects with
+//! the stream's index and the stream count, the rendezvous generation and the job token); the
+//! accepting side answers with one status byte, so a refused peer learns why.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -14,7 +15,10 @@ use crate::error::{CommError, Result};
 use crate::link::read_full;
 
 const HELLO_MAGIC: u32 = 0x4856_4448; // "HVDH"
-const PROTOCOL_VERSION: u8 = 1;
+const PROTOCOL_VERSION: u8 = 2;
+/// The hello's `to` word: the rank in the low 24 bits, the stream's index in the next 4, the
+/// stream count in the top 4.
+const RANK_BITS: u32 = 24;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +29,7 @@ enum Status {
     WrongGeneration = 2,
     WrongRank = 3,
     BadVersion = 4,
+    WrongStreams = 5,
 }
 
 impl Status {
@@ -34,6 +39,7 @@ impl Status {
             2 => "refused: peer belongs to another rendezvous round",
             3 => "refused: rank numbering disagrees",
             4 => "refused: protocol version differs",
+            5 => "refused: the number of connections per peer differs",
             _ => "refused",
         }
     }
@@ -93,38 +99,50 @@ fn tune(s: &TcpStream) -> io::Result<()> {
     s.set_nonblocking(false)
 }
 
-/// Connects to every peer; returns one stream per rank (`None` at this rank's own index).
-pub(crate) fn mesh(
-    cfg: &CommConfig,
-    listener: &TcpListener,
-    peers: &[SocketAddr],
-) -> Result<Vec<Option<TcpStream>>> {
+/// The connections to every peer.
+pub(crate) struct Mesh {
+    /// The first connection to each rank (`None` at this rank's own index): it carries every
+    /// opening and all but the ring's data.
+    pub(crate) primary: Vec<Option<TcpStream>>,
+    /// The further connections to each rank (`streams - 1` of them; none at its own index).
+    pub(crate) extra: Vec<Vec<TcpStream>>,
+}
+
+/// Connects to every peer, `cfg.streams` times each.
+pub(crate) fn mesh(cfg: &CommConfig, listener: &TcpListener, peers: &[SocketAddr]) -> Result<Mesh> {
     let deadline = Instant::now() + cfg.connect_timeout;
-    let mut streams: Vec<Option<TcpStream>> = (0..cfg.size).map(|_| None).collect();
+    let k = cfg.streams;
+    let mut slots: Vec<Vec<Option<TcpStream>>> = (0..cfg.size)
+        .map(|_| (0..k).map(|_| None).collect())
+        .collect();
     for (j, addr) in peers.iter().enumerate().take(cfg.rank) {
-        streams[j] = Some(dial(cfg, j, *addr, deadline)?);
+        for (index, slot) in slots[j].iter_mut().enumerate() {
+            *slot = Some(dial(cfg, j, index, *addr, deadline)?);
+        }
     }
     listener
         .set_nonblocking(true)
         .map_err(|e| io_err("listener", e))?;
-    let mut missing = cfg.size - cfg.rank - 1;
+    let mut missing = (cfg.size - cfg.rank - 1) * k;
     while missing > 0 {
         match listener.accept() {
             Ok((mut s, from)) => {
                 tune(&s).map_err(|e| io_err("accepted socket", e))?;
                 match admit(cfg, &mut s) {
-                    Ok(j) if streams[j].is_none() => {
-                        streams[j] = Some(s);
+                    Ok((j, index)) if slots[j][index].is_none() => {
+                        slots[j][index] = Some(s);
                         missing -= 1;
                     }
-                    Ok(j) => tracing::warn!(peer = j, %from, "duplicate connection refused"),
+                    Ok((j, index)) => {
+                        tracing::warn!(peer = j, index, %from, "duplicate connection refused");
+                    }
                     Err(why) => tracing::warn!(%from, %why, "peer connection refused"),
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
                     let waiting: Vec<usize> = (cfg.rank + 1..cfg.size)
-                        .filter(|&j| streams[j].is_none())
+                        .filter(|&j| slots[j].iter().any(Option::is_none))
                         .collect();
                     return Err(CommError::Connect {
                         rank: waiting[0],
@@ -143,7 +161,14 @@ pub(crate) fn mesh(
             Err(e) => return Err(io_err("accepting peer connections", e)),
         }
     }
-    Ok(streams)
+    let mut primary = Vec::with_capacity(cfg.size);
+    let mut extra = Vec::with_capacity(cfg.size);
+    for mut per_peer in slots {
+        let first = per_peer.first_mut().and_then(Option::take);
+        primary.push(first);
+        extra.push(per_peer.into_iter().flatten().collect());
+    }
+    Ok(Mesh { primary, extra })
 }
 
 fn io_err(context: &str, source: io::Error) -> CommError {
@@ -153,8 +178,14 @@ fn io_err(context: &str, source: io::Error) -> CommError {
     }
 }
 
-/// Connects to lower rank `j`, retrying while it is not yet listening.
-fn dial(cfg: &CommConfig, j: usize, addr: SocketAddr, deadline: Instant) -> Result<TcpStream> {
+/// Opens connection `index` to lower rank `j`, retrying while it is not yet listening.
+fn dial(
+    cfg: &CommConfig,
+    j: usize,
+    index: usize,
+    addr: SocketAddr,
+    deadline: Instant,
+) -> Result<TcpStream> {
     let fail = |detail: String| CommError::Connect {
         rank: j,
         addr: addr.to_string(),
@@ -175,7 +206,7 @@ fn dial(cfg: &CommConfig, j: usize, addr: SocketAddr, deadline: Instant) -> Resu
     let hello = Hello {
         version: PROTOCOL_VERSION,
         from: cfg.rank as u32,
-        to: j as u32,
+        to: j as u32 | (index as u32) << RANK_BITS | (cfg.streams as u32) << (RANK_BITS + 4),
         generation: cfg.generation,
         token: cfg.token.as_bytes().to_vec(),
     };
@@ -193,29 +224,31 @@ fn dial(cfg: &CommConfig, j: usize, addr: SocketAddr, deadline: Instant) -> Resu
     Ok(s)
 }
 
-/// Checks an incoming hello; returns the peer's rank.
-fn admit(cfg: &CommConfig, s: &mut TcpStream) -> std::result::Result<usize, String> {
+/// Checks an incoming hello; returns the peer's rank and the connection's index.
+fn admit(cfg: &CommConfig, s: &mut TcpStream) -> std::result::Result<(usize, usize), String> {
     s.set_read_timeout(Some(HELLO_TIMEOUT))
         .map_err(|e| e.to_string())?;
     let h = read_hello(s).map_err(|e| format!("bad hello: {e}"))?;
+    let to = (h.to & ((1 << RANK_BITS) - 1)) as usize;
+    let index = ((h.to >> RANK_BITS) & 0xf) as usize;
+    let streams = (h.to >> (RANK_BITS + 4)) as usize;
     let status = if h.version != PROTOCOL_VERSION {
         Status::BadVersion
     } else if !same_token(&h.token, cfg.token.as_bytes()) {
         Status::BadToken
     } else if h.generation != cfg.generation {
         Status::WrongGeneration
-    } else if h.to as usize != cfg.rank
-        || (h.from as usize) <= cfg.rank
-        || h.from as usize >= cfg.size
-    {
+    } else if to != cfg.rank || (h.from as usize) <= cfg.rank || h.from as usize >= cfg.size {
         Status::WrongRank
+    } else if streams != cfg.streams || index >= streams {
+        Status::WrongStreams
     } else {
         Status::Ok
     };
     // The peer reads this byte to learn why it was refused; if it is already gone, so be it.
     let _ = s.write_all(&[status as u8]);
     if status == Status::Ok {
-        Ok(h.from as usize)
+        Ok((h.from as usize, index))
     } else {
         Err(format!(
             "{} (rank {} gen {})",

@@ -41,7 +41,7 @@ mod timeline;
 mod wire;
 
 pub use comm::Communicator;
-pub use config::CommConfig;
+pub use config::{CommConfig, MAX_STREAMS};
 pub use dtype::{DType, Element, ReduceOp};
 pub use engine::{Compression, Engine, EngineConfig, Handle, Submitter};
 pub use error::{CommError, Result};

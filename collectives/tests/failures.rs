@@ -289,3 +289,32 @@ fn hierarchical_mismatches_fail_every_host_and_comm_survives() {
         }
     }
 }
+
+/// Ranks that disagree on the number of connections per peer are refused at connect, saying so.
+#[test]
+fn a_peer_with_another_stream_count_is_refused() {
+    let l0 = TcpListener::bind("127.0.0.1:0").unwrap();
+    let l1 = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addrs = [l0.local_addr().unwrap(), l1.local_addr().unwrap()];
+    let acceptor = thread::spawn(move || {
+        let mut cfg = CommConfig::new(0, 2, "t");
+        cfg.connect_timeout = Duration::from_millis(800);
+        cfg.streams = 2;
+        Communicator::connect(cfg, &l0, &addrs)
+    });
+    let mut cfg = CommConfig::new(1, 2, "t");
+    cfg.connect_timeout = Duration::from_secs(5);
+    let err = Communicator::connect(cfg, &l1, &addrs).unwrap_err();
+    assert!(
+        err.to_string().contains("connections per peer differs"),
+        "{err}"
+    );
+    assert!(acceptor.join().expect("join").is_err());
+    let mut bad = CommConfig::new(0, 1, "t");
+    bad.streams = 16;
+    assert!(
+        bad.validate()
+            .unwrap_err()
+            .contains("streams must be 1 to 15")
+    );
+}

@@ -204,6 +204,25 @@ fn worlds_of_3_and_4_over_tcp_only() {
     }
 }
 
+/// Several connections per peer: the ring stripes every segment over all of them.
+#[test]
+fn worlds_over_several_streams_per_peer() {
+    for (n, streams) in [(2, 2), (3, 3), (4, 2)] {
+        world_with(
+            n,
+            |cfg| {
+                cfg.same_host_copy = false;
+                cfg.streams = streams;
+                cfg.segment_bytes = 4096; // many segments, stripes of odd sizes
+            },
+            check_all,
+        );
+    }
+    // Across hosts, the cross-host ring of the hierarchical path stripes too.
+    let ips = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
+    assert_eq!(check_on(&ips, |cfg| cfg.streams = 3), vec![true; 4]);
+}
+
 #[test]
 fn allreduce_of_64_mib() {
     const LEN: usize = 16 << 20; // 64 MiB of f32

@@ -138,6 +138,12 @@ pub struct Args {
     )]
     pub hierarchical_allreduce: bool,
 
+    /// TCP connections between each pair of ranks (1 to 15, default 1): the ring stripes its
+    /// segments over them, which pays where one stream cannot fill the network (env
+    /// HVD_TCP_STREAMS).
+    #[arg(long = "tcp-streams", value_name = "N")]
+    pub tcp_streams: Option<usize>,
+
     /// Never use hierarchical allreduce, even across hosts.
     #[arg(long = "no-hierarchical-allreduce")]
     pub no_hierarchical_allreduce: bool,

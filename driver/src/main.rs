@@ -243,7 +243,8 @@ fn discovery_source(args: &cli::Args) -> anyhow::Result<elastic::run::Source> {
 }
 
 /// The engine and timeline settings the workers get: `--cycle-time-ms`,
-/// `--fusion-threshold-mb`, `--cache-capacity`, `--[no-]hierarchical-allreduce`, and a fresh timeline file for `--timeline-filename`.
+/// `--fusion-threshold-mb`, `--cache-capacity`, `--[no-]hierarchical-allreduce`,
+/// `--tcp-streams`, and a fresh timeline file for `--timeline-filename`.
 fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
     let mut env = Vec::new();
     for (flag, value, var, scale) in [
@@ -266,6 +267,15 @@ fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
             }
             env.push((var.to_string(), format!("{}", v * scale)));
         }
+    }
+    if let Some(k) = args.tcp_streams {
+        if !(1..=hvd_rendezvous::MAX_TCP_STREAMS).contains(&k) {
+            bail!(
+                "--tcp-streams must be 1 to {}, not {k}",
+                hvd_rendezvous::MAX_TCP_STREAMS
+            );
+        }
+        env.push((hvd_rendezvous::ENV_TCP_STREAMS.to_string(), k.to_string()));
     }
     if let Some(n) = args.cache_capacity {
         env.push((

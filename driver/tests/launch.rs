@@ -528,8 +528,35 @@ fn hierarchical_allreduce_follows_placement_and_flags() {
             "{hosts} {flag:?}: {modes:?}"
         );
     }
-    let out = run(&["-np", "1", "-H", "127.0.0.2:1", &probe]);
+    // The flat ring between the hosts, striped over three connections per peer.
+    let out = run(&[
+        "-np",
+        "4",
+        "-H",
+        "127.0.0.2:2,127.0.0.3:2",
+        "--no-hierarchical-allreduce",
+        "--tcp-streams",
+        "3",
+        &probe,
+        "--elems",
+        "300000",
+    ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = run(&[
+        "-np",
+        "1",
+        "-H",
+        "127.0.0.2:1",
+        "--tcp-streams",
+        "16",
+        &probe,
+    ]);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(
+        text(&out.stderr).contains("--tcp-streams must be 1 to 15"),
+        "{}",
+        text(&out.stderr)
+    );
     let bad = horovodrun()
         .env("HOROVOD_HIERARCHICAL_ALLREDUCE", "sometimes")
         .args(["-np", "2", "-H", "127.0.0.2:2", &probe])

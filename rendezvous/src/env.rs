@@ -40,6 +40,11 @@ pub const ENV_CACHE_CAPACITY: &str = "HOROVOD_CACHE_CAPACITY";
 /// `1` forces hierarchical allreduce (reduce on each host, ring across hosts, broadcast on each
 /// host), `0` forbids it; unset chooses by placement (Horovod's name; `--hierarchical-allreduce`).
 pub const ENV_HIERARCHICAL_ALLREDUCE: &str = "HOROVOD_HIERARCHICAL_ALLREDUCE";
+/// TCP connections to each peer, 1 to 15 (`--tcp-streams`): the ring stripes its segments over
+/// them. Every rank gets the same value.
+pub const ENV_TCP_STREAMS: &str = "HVD_TCP_STREAMS";
+/// Most connections per peer `HVD_TCP_STREAMS` may ask for (the collectives' limit).
+pub const MAX_TCP_STREAMS: usize = 15;
 /// File every rank appends its engine timeline to (a Chrome trace; `--timeline-filename`).
 pub const ENV_TIMELINE: &str = "HOROVOD_TIMELINE";
 /// Set to `1` to mark every engine cycle on the timeline (`--timeline-mark-cycles`).

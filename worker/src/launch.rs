@@ -57,6 +57,8 @@ pub struct Launch {
     /// Hierarchical allreduce across hosts (`HOROVOD_HIERARCHICAL_ALLREDUCE`): `1` asks for
     /// it, `0` forbids it, unset lets the communicator choose.
     pub hierarchical: Option<bool>,
+    /// TCP connections to each peer (`HVD_TCP_STREAMS`, default 1).
+    pub streams: usize,
     /// Whether the job is elastic (`HOROVOD_ELASTIC=1`).
     pub elastic: bool,
     /// How long a round may wait for enough hosts (`HOROVOD_ELASTIC_TIMEOUT`).
@@ -164,6 +166,21 @@ impl Launch {
                     });
                 }
             },
+            streams: match env.var(rv::ENV_TCP_STREAMS).as_deref().map(str::trim) {
+                None | Some("") => 1,
+                Some(v) => match v.parse::<usize>() {
+                    Ok(k) if (1..=hvd_collectives::MAX_STREAMS).contains(&k) => k,
+                    _ => {
+                        return Err(Error::Env {
+                            var: rv::ENV_TCP_STREAMS,
+                            detail: format!(
+                                "'{v}' is not a number of connections from 1 to {}",
+                                hvd_collectives::MAX_STREAMS
+                            ),
+                        });
+                    }
+                },
+            },
             elastic,
             elastic_timeout: seconds(env, rv::ENV_ELASTIC_TIMEOUT, 600.0)?,
         };
@@ -254,6 +271,17 @@ mod tests {
             let mut e = full();
             e.insert(rv::ENV_HIERARCHICAL_ALLREDUCE.into(), v.into());
             assert_eq!(Launch::from_env(&e).unwrap().unwrap().hierarchical, want);
+        }
+        assert_eq!(l.streams, 1);
+        assert_eq!(rv::MAX_TCP_STREAMS, hvd_collectives::MAX_STREAMS);
+        let mut e = full();
+        e.insert(rv::ENV_TCP_STREAMS.into(), "4".into());
+        assert_eq!(Launch::from_env(&e).unwrap().unwrap().streams, 4);
+        for v in ["0", "16", "two"] {
+            let mut bad = full();
+            bad.insert(rv::ENV_TCP_STREAMS.into(), v.into());
+            let e = Launch::from_env(&bad).unwrap_err().to_string();
+            assert!(e.contains("HVD_TCP_STREAMS") && e.contains(v), "{e}");
         }
         let mut bad = full();
         bad.insert(rv::ENV_HIERARCHICAL_ALLREDUCE.into(), "yes".into());

@@ -203,6 +203,7 @@ fn enter(session: &mut Session, round: client::Round) -> Result<(Topology, Commu
     cfg.connect_timeout = l.start_timeout.max(Duration::from_secs(1));
     cfg.same_host_copy = l.same_host_copy;
     cfg.hierarchical = l.hierarchical;
+    cfg.streams = l.streams;
     session.generation = world.generation;
     session.updates_through = world.updates_through;
     session.peers.clone_from(&world.peers);

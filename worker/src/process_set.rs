@@ -80,7 +80,11 @@ fn connect(c: &mut Context, set: &ProcessSet) -> Result<Option<Communicator>> {
             cfg.connect_timeout = l.start_timeout;
             cfg.same_host_copy = l.same_host_copy;
             cfg.hierarchical = l.hierarchical;
+            cfg.streams = l.streams;
+            cfg.streams = l.streams;
             cfg.hierarchical = l.hierarchical;
+            cfg.streams = l.streams;
+            cfg.streams = l.streams;
             let peers: Vec<_> = set.ranks.iter().map(|&r| s.peers[r]).collect();
             Some(Communicator::connect(cfg, &s.listener, &peers)?)
         }
