@@ -313,16 +313,20 @@ async fn poll(source: Source, interval: Duration, tx: mpsc::Sender<Input>) {
     }
 }
 
-/// Binds `port` on every interface for the status endpoint: `[::]`, taking IPv4 clients
-/// too, or `0.0.0.0` (with a warning) where the host has no IPv6.
-async fn bind_any(port: u16) -> std::io::Result<tokio::net::TcpListener> {
+/// Binds `port` on every interface for `what` (the rendezvous, the status endpoint): `[::]`,
+/// taking IPv4 clients too, or `0.0.0.0` (with a warning) where the host has no IPv6.
+async fn bind_any(port: u16, what: &str) -> std::io::Result<tokio::net::TcpListener> {
     use std::io::ErrorKind;
     match bind_dual_stack(port) {
         Ok(l) => Ok(l),
         // Not an IPv6 problem: IPv4 would fail the same way.
         Err(e) if matches!(e.kind(), ErrorKind::AddrInUse | ErrorKind::PermissionDenied) => Err(e),
         Err(e) => {
-            tracing::warn!(port, error = %e, "cannot listen on [::]; the status endpoint serves IPv4 only");
+            tracing::warn!(
+                port,
+                error = %e,
+                "cannot listen on [::]; the {what} serves IPv4 only"
+            );
             tokio::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, port)).await
         }
     }
@@ -344,7 +348,8 @@ fn bind_dual_stack(port: u16) -> std::io::Result<tokio::net::TcpListener> {
 /// Failures of the driver itself (binding the rendezvous listener, installing signal handlers).
 pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     let secret = new_secret()?;
-    let listener = tokio::net::TcpListener::bind(("0.0.0.0", 0)).await?;
+    // Dual-stack, so that workers reach it in IPv6-only clusters too.
+    let listener = bind_any(0, "rendezvous").await?;
     let port = listener.local_addr()?.port();
     tracing::debug!(port, "rendezvous listening");
     let (wire_tx, mut wire_rx) = mpsc::channel::<Wire>(256);
@@ -361,7 +366,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     });
     let status_server = match spec.status_port {
         Some(port) => {
-            let listener = bind_any(port)
+            let listener = bind_any(port, "status endpoint")
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot serve --status-port {port}: {e}"))?;
             tracing::info!(addr = %listener.local_addr()?, "status endpoint listening on GET /status");
@@ -472,7 +477,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_status_listener_takes_ipv4_and_ipv6_clients() {
-        let listener = bind_any(0).await.unwrap();
+        let listener = bind_any(0, "status endpoint").await.unwrap();
         let addr = listener.local_addr().unwrap();
         assert!(addr.ip().is_unspecified(), "{addr}");
         let port = addr.port();
@@ -500,9 +505,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_port_in_use_is_an_error_not_a_fallback() {
-        let first = bind_any(0).await.unwrap();
+        let first = bind_any(0, "status endpoint").await.unwrap();
         let port = first.local_addr().unwrap().port();
-        let err = bind_any(port).await.unwrap_err();
+        let err = bind_any(port, "status endpoint").await.unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{err}");
     }
 }
