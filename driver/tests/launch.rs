@@ -569,3 +569,36 @@ fn hierarchical_allreduce_follows_placement_and_flags() {
         text(&bad.stderr)
     );
 }
+
+/// Workers ask glibc for huge pages by default; `HVD_HUGE_PAGES=0` or a `GLIBC_TUNABLES` of the
+/// user's leaves malloc alone.
+#[test]
+fn workers_get_huge_pages_unless_told_otherwise() {
+    let probe = probe();
+    for (var, value, want) in [
+        (None, "", Some("glibc.malloc.hugetlb=1")),
+        (Some("HVD_HUGE_PAGES"), "0", None),
+        (
+            Some("GLIBC_TUNABLES"),
+            "glibc.malloc.check=0",
+            Some("glibc.malloc.check=0"),
+        ),
+    ] {
+        let mut cmd = horovodrun();
+        cmd.env_remove("GLIBC_TUNABLES")
+            .env_remove("HVD_HUGE_PAGES");
+        if let Some(v) = var {
+            cmd.env(v, value);
+        }
+        let out = cmd
+            .args(["-np", "2", "-H", "127.0.0.2:2", &probe])
+            .output()
+            .expect("run horovodrun");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let seen: Vec<Option<String>> = topologies(&text(&out.stdout))
+            .iter()
+            .map(|v| v["glibc_tunables"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(seen, vec![want.map(str::to_string); 2], "{var:?}={value}");
+    }
+}
