@@ -576,7 +576,11 @@ fn hierarchical_allreduce_follows_placement_and_flags() {
 fn workers_get_huge_pages_unless_told_otherwise() {
     let probe = probe();
     for (var, value, want) in [
-        (None, "", Some("glibc.malloc.hugetlb=1")),
+        (
+            None,
+            "",
+            Some("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=2097152"),
+        ),
         (Some("HVD_HUGE_PAGES"), "0", None),
         (
             Some("GLIBC_TUNABLES"),
