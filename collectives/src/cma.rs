@@ -14,7 +14,7 @@ use std::io::{self, IoSliceMut, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use nix::sys::uio::{RemoteIoVec, process_vm_readv};
+use nix::sys::uio::{RemoteIoVec, process_vm_readv, process_vm_writev};
 use nix::unistd::Pid;
 
 /// A word every process exposes so a peer can check that it may read this process's memory.
@@ -64,6 +64,27 @@ pub(crate) struct Agreement {
     /// Ranks running on this machine (same boot id), this one included, whatever host group
     /// they belong to: how many share its cores.
     pub(crate) machine_ranks: usize,
+}
+
+/// Writes `data` at `addr` in process `pid`.
+pub(crate) fn write_remote(pid: Pid, addr: usize, data: &[u8]) -> io::Result<()> {
+    let mut done = 0;
+    while done < data.len() {
+        let remote = [RemoteIoVec {
+            base: addr + done,
+            len: data.len() - done,
+        }];
+        let local = [io::IoSlice::new(&data[done..])];
+        let n = process_vm_writev(pid, &local, &remote).map_err(io::Error::from)?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "peer memory write took nothing",
+            ));
+        }
+        done += n;
+    }
+    Ok(())
 }
 
 /// Agrees with every peer which ranks can use cross-memory attach. `host_of[j]` is rank `j`'s

@@ -57,7 +57,7 @@ pub(crate) struct Hierarchy {
 }
 
 /// Cores this process may run on (asked once: the answer costs system calls and file reads).
-fn cores() -> usize {
+pub(crate) fn cores() -> usize {
     static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *CORES.get_or_init(|| thread::available_parallelism().map_or(1, |c| c.get()))
 }
@@ -436,6 +436,11 @@ impl Communicator {
     /// Why this communicator can no longer be used, if it can't.
     pub fn broken_reason(&self) -> Option<&str> {
         self.broken.as_deref()
+    }
+
+    /// Whether more ranks of the world run on this machine than it has cores.
+    pub(crate) fn crowded(&self) -> bool {
+        self.size().max(self.machine_ranks) > cores()
     }
 
     /// How many calls this communicator has started.

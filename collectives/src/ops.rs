@@ -282,9 +282,21 @@ impl Communicator {
             },
         )?;
         let elem = std::mem::size_of::<T>();
-        let blocks = block_bounds(buf.len(), n);
-        let (lo, hi) = (blocks[r], blocks[r + 1]);
-        let chunk = (SAME_HOST_CHUNK / elem).max(1).min(hi - lo);
+        // With more ranks than cores, only one rank per core reduces (the others would just
+        // take turns with it) and it writes its finished block straight into every peer's
+        // buffer: one barrier, no gather, no rank waiting on a descheduled block owner.
+        let workers = if allgather && cross.is_none() && self.crowded() {
+            crate::comm::cores().clamp(1, n)
+        } else {
+            n
+        };
+        let blocks = block_bounds(buf.len(), workers);
+        let (lo, hi) = if r < workers {
+            (blocks[r], blocks[r + 1])
+        } else {
+            (0, 0)
+        };
+        let chunk = (SAME_HOST_CHUNK / elem).max(1).min(hi - lo).max(1);
         // Block r is computed by rank r alone, so accumulating into it in place (own values
         // first) gives every rank the same bits.
         let mut tmp: Vec<T> = vec![bytemuck::Zeroable::zeroed(); chunk];
@@ -316,6 +328,16 @@ impl Communicator {
             if op == ReduceOp::Average {
                 T::divide(&mut buf[lo..hi], n * x.size());
             }
+        }
+        if workers < n {
+            let raw: &[u8] = bytemuck::cast_slice(&buf[lo..hi]);
+            for p in (1..n).map(|k| (r + k) % n).filter(|_| hi > lo) {
+                if let Err(e) = crate::cma::write_remote(pids[p], addrs[p] + lo * elem, raw) {
+                    return Err(self.fail(left_collective(p, name, &e)));
+                }
+            }
+            // Every block is written before any rank returns (and lets its buffer go).
+            return self.barrier();
         }
         self.barrier()?;
         if allgather {
