@@ -713,7 +713,6 @@ impl Communicator {
         self.posted = Some(d.seq);
         let mut descs = vec![d; n];
         let mut pending: Vec<usize> = (1..n).map(|k| (r + k) % n).collect();
-        let everyone = pending.clone();
         let started = std::time::Instant::now();
         // Ranks of other host groups may share this machine's cores too.
         let crowded = n.max(self.machine_ranks) > cores();
@@ -749,13 +748,14 @@ impl Communicator {
                 let waited = started.elapsed();
                 let gone = if self.shared.abort_reason().is_some() {
                     Some((pending[0], std::io::Error::other("aborted")))
-                } else if let Some(p) = self.closed_peer(if waited < Duration::from_secs(1) {
-                    &pending
+                } else if let Some(p) = if waited < Duration::from_secs(1) {
+                    self.closed_peer(&pending)
                 } else {
                     // A long wait may be a chain of ranks waiting on one that is gone: any
                     // closed connection dooms the call.
-                    &everyone
-                }) {
+                    let everyone: Vec<usize> = (0..n).filter(|&p| p != r).collect();
+                    self.closed_peer(&everyone)
+                } {
                     let e = std::io::Error::new(
                         std::io::ErrorKind::UnexpectedEof,
                         "it closed its connection",
