@@ -829,43 +829,29 @@ impl Communicator {
         }
         let timeout = self.cfg.progress_timeout;
         let (Some(reader), Some(writer)) =
-            (self.readers[left].as_mut(), self.writers[right].as_mut())
+            (self.readers[left].as_ref(), self.writers[right].as_ref())
         else {
             return Err(self.fail(CommError::Broken {
                 cause: "missing ring connection".into(),
             }));
         };
-        let res = if self.extra[left].is_empty() || self.extra[right].is_empty() {
-            pipeline::run(
-                &self.shared,
-                reader,
-                left,
-                writer,
-                right,
-                segments,
-                first,
-                recvs,
-                timeout,
-            )
-        } else {
-            let reads: Vec<&TcpStream> = std::iter::once(&*reader)
-                .chain(self.extra[left].iter())
-                .collect();
-            let writes: Vec<&TcpStream> = std::iter::once(&*writer)
-                .chain(self.extra[right].iter())
-                .collect();
-            pipeline::run_striped(
-                &self.shared,
-                &reads,
-                left,
-                &writes,
-                right,
-                segments,
-                first,
-                recvs,
-                timeout,
-            )
-        };
+        let reads: Vec<&TcpStream> = std::iter::once(reader)
+            .chain(self.extra[left].iter())
+            .collect();
+        let writes: Vec<&TcpStream> = std::iter::once(writer)
+            .chain(self.extra[right].iter())
+            .collect();
+        let res = pipeline::run(
+            &self.shared,
+            &reads,
+            left,
+            &writes,
+            right,
+            segments,
+            first,
+            recvs,
+            timeout,
+        );
         res.map_err(|f| self.link_error(f, op, Phase::Data))
     }
 

@@ -2,8 +2,8 @@
 //!
 //! A buffer is cut into segments. One thread drives both directions with non-blocking sockets:
 //! it writes queued segments to the right-hand neighbour while it reads segments from the
-//! left-hand one, reducing (or copying) them in place piece by piece, and queues each finished
-//! segment that travels on. Sending, receiving and reducing overlap segment by segment and
+//! left-hand one (each segment striped over every connection to that neighbour), reducing (or
+//! copying) them in place, and queues each finished segment that travels on. Sending, receiving and reducing overlap segment by segment and
 //! across ring steps, with no second thread to wake (on a machine with fewer cores than ranks,
 //! every extra runnable thread costs a context switch per segment). A segment is never
 //! overwritten while its old contents still wait to be sent.
@@ -37,9 +37,6 @@ pub(crate) struct Recv {
     pub forward: bool,
 }
 
-/// Bytes of a reduce scratch piece: small enough to stay in L2 while it is reduced.
-const PIECE_BYTES: usize = 256 * 1024;
-
 /// Cuts `buf` into `bounds.len() - 1` segments at the given element offsets.
 pub(crate) fn split_at_bounds<'a, T>(mut buf: &'a mut [T], bounds: &[usize]) -> Vec<&'a mut [T]> {
     let mut out = Vec::with_capacity(bounds.len().saturating_sub(1));
@@ -70,150 +67,6 @@ impl Drop for NonBlocking<'_> {
     }
 }
 
-/// Runs a schedule: `first` segments are queued for sending at once, then `recvs` are
-/// processed in order. `left`/`right` are the peers' ranks, used to name a failure; `timeout`
-/// bounds how long the engine waits without any progress.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn run<T: Element>(
-    shared: &Shared,
-    reader: &mut TcpStream,
-    left: usize,
-    writer: &mut TcpStream,
-    right: usize,
-    mut segments: Vec<&mut [T]>,
-    first: &[usize],
-    recvs: &[Recv],
-    timeout: Duration,
-) -> Result<(), LinkFailure> {
-    let rd_fail = |e| LinkFailure::new(shared, left, e);
-    let wr_fail = |e| LinkFailure::new(shared, right, e);
-    let reader_handle = reader.try_clone().map_err(rd_fail)?;
-    let writer_handle = writer.try_clone().map_err(wr_fail)?;
-    let _mode = NonBlocking::new(&reader_handle, &writer_handle).map_err(rd_fail)?;
-    let piece = (PIECE_BYTES / size_of::<T>()).max(1);
-    let mut scratch: Vec<T> = Vec::new();
-    let mut queue: VecDeque<usize> = first.iter().copied().collect();
-    let mut queued = vec![false; segments.len()];
-    first.iter().for_each(|&id| queued[id] = true);
-    let (mut sent, mut ri, mut got, mut at) = (0usize, 0usize, 0usize, 0usize);
-    let poll_timeout = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
-    loop {
-        let mut progressed = false;
-        while let Some(&id) = queue.front() {
-            let bytes: &[u8] = bytemuck::cast_slice(&*segments[id]);
-            if sent == bytes.len() {
-                queue.pop_front();
-                queued[id] = false;
-                sent = 0;
-                continue;
-            }
-            match writer.write(&bytes[sent..]) {
-                Ok(k) => {
-                    sent += k;
-                    progressed = true;
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(wr_fail(e)),
-            }
-        }
-        while let Some(r) = recvs.get(ri).copied() {
-            if queued[r.seg] {
-                break; // its old contents are still on their way out
-            }
-            let seg = &mut *segments[r.seg];
-            // The bytes still to arrive for the current piece (the whole segment when copying).
-            let (target, len): (&mut [u8], usize) = match r.mode {
-                Mode::Copy => {
-                    let b: &mut [u8] = bytemuck::cast_slice_mut(seg);
-                    let n = b.len();
-                    (b, n)
-                }
-                Mode::Reduce(_) | Mode::ReduceDivide(_) => {
-                    let plen = piece.min(seg.len() - at);
-                    if scratch.len() < plen {
-                        scratch.resize(plen, T::zeroed());
-                    }
-                    let b: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..plen]);
-                    let n = b.len();
-                    (b, n)
-                }
-            };
-            if got < len {
-                match reader.read(&mut target[got..]) {
-                    Ok(0) => {
-                        let eof = io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            "connection closed by peer",
-                        );
-                        return Err(rd_fail(eof));
-                    }
-                    Ok(k) => {
-                        got += k;
-                        progressed = true;
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(rd_fail(e)),
-                }
-                if got < len {
-                    continue;
-                }
-            }
-            // The piece (or segment) is complete.
-            got = 0;
-            match r.mode {
-                Mode::Copy => at = seg.len(),
-                Mode::Reduce(_) | Mode::ReduceDivide(_) => {
-                    let plen = piece.min(seg.len() - at);
-                    let op = if let Mode::Reduce(op) = r.mode {
-                        op
-                    } else {
-                        ReduceOp::Sum
-                    };
-                    T::reduce_into(&mut seg[at..at + plen], &scratch[..plen], op);
-                    at += plen;
-                }
-            }
-            if at < seg.len() {
-                continue;
-            }
-            if let Mode::ReduceDivide(k) = r.mode {
-                T::divide(seg, k);
-            }
-            at = 0;
-            ri += 1;
-            if r.forward {
-                queue.push_back(r.seg);
-                queued[r.seg] = true;
-            }
-            progressed = true;
-        }
-        if queue.is_empty() && ri == recvs.len() {
-            return Ok(());
-        }
-        if progressed {
-            continue;
-        }
-        let want_read = recvs.get(ri).is_some_and(|r| !queued[r.seg]);
-        let want_write = !queue.is_empty();
-        let mut fds = Vec::with_capacity(2);
-        if want_read {
-            fds.push(PollFd::new(reader_handle.as_fd(), PollFlags::POLLIN));
-        }
-        if want_write {
-            fds.push(PollFd::new(writer_handle.as_fd(), PollFlags::POLLOUT));
-        }
-        if let Err(e) = wait(&mut fds, poll_timeout) {
-            return Err(if want_read || e.kind() != io::ErrorKind::TimedOut {
-                rd_fail(e)
-            } else {
-                wr_fail(e)
-            });
-        }
-    }
-}
-
 /// Waits until one of `fds` is ready; an error when none is within `timeout`.
 fn wait(fds: &mut [PollFd<'_>], timeout: PollTimeout) -> io::Result<()> {
     match poll(fds, timeout) {
@@ -228,11 +81,14 @@ fn stripe(len: usize, s: usize, k: usize) -> std::ops::Range<usize> {
     len * s / k..len * (s + 1) / k
 }
 
-/// [`run`] over several connections to each neighbour: every segment is cut into one stripe
-/// per connection, stripe `s` travelling on connection `s`, all of them at once. A reduced
-/// segment is received whole (into scratch) before it is combined.
+/// Runs a schedule over one or more connections to each neighbour: `first` segments are queued
+/// for sending at once, then `recvs` are processed in order. Every segment is cut into one
+/// stripe per connection, stripe `s` travelling on connection `s`, all of them at once; a
+/// reduced segment is received whole (into scratch) before it is combined. `left`/`right` are
+/// the peers' ranks, used to name a failure; `timeout` bounds how long the engine waits
+/// without any progress.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn run_striped<T: Element>(
+pub(crate) fn run<T: Element>(
     shared: &Shared,
     reads: &[&TcpStream],
     left: usize,
