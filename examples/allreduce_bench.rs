@@ -1,9 +1,10 @@
 //! Collective benchmark in the manner of nccl-tests' `all_reduce_perf`: sizes doubling from
 //! `--min-bytes` to `--max-bytes`; per size, warm-up iterations, then `--iters` timed ones. Each
-//! timed iteration starts after a barrier; every rank times its own call, and the iteration's
-//! time is the slowest rank's. Rank 0 prints the median, algbw (bytes / time) and busbw
-//! (algbw · 2(n−1)/n for allreduce, (n−1)/n for allgather, 1 for broadcast), as a table or one
-//! JSON object per size. Every iteration's result is checked; a wrong one fails the run.
+//! timed iteration fills its input, then starts after a barrier; every rank times its own call,
+//! and the iteration's time is the slowest rank's. Rank 0 prints the median, algbw (bytes /
+//! time) and busbw (algbw · 2(n−1)/n for allreduce, (n−1)/n for allgather, 1 for broadcast), as
+//! a table or one JSON object per size. Every iteration's result is checked; a wrong one fails
+//! the run.
 //!
 //! ```text
 //! horovodrun -np 2 -H localhost:2 target/release/examples/allreduce_bench --max-bytes 67108864
@@ -16,7 +17,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail, ensure};
 use clap::{Parser, ValueEnum};
-use hvd::{Element, ReduceOp, bf16, f16};
+use hvd::{Element, HugeBuffer, ReduceOp, bf16, f16};
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
 enum Op {
@@ -36,6 +37,15 @@ enum Dtype {
     F64,
 }
 
+/// Where the benchmark's buffers come from.
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum Alloc {
+    /// `hvd::HugeBuffer`: its own mapping, advised as transparent huge pages.
+    Huge,
+    /// `Vec` from the process allocator (huge pages only if the allocator asks for them).
+    Malloc,
+}
+
 #[derive(Parser)]
 struct Args {
     #[arg(long, value_enum, default_value = "allreduce")]
@@ -53,6 +63,43 @@ struct Args {
     /// One JSON object per size instead of the table.
     #[arg(long)]
     json: bool,
+    /// Buffers (and the memcpy reference's) as huge-page buffers or plain `Vec`s.
+    #[arg(long, value_enum, default_value = "huge")]
+    alloc: Alloc,
+}
+
+/// A benchmark buffer of either allocation.
+enum Buf<T: Element> {
+    Huge(HugeBuffer<T>),
+    Malloc(Vec<T>),
+}
+
+impl<T: Element> Buf<T> {
+    fn new(alloc: Alloc, len: usize) -> anyhow::Result<Self> {
+        Ok(match alloc {
+            Alloc::Huge => Buf::Huge(HugeBuffer::zeroed(len).context("a huge-page buffer")?),
+            Alloc::Malloc => Buf::Malloc(vec![bytemuck::Zeroable::zeroed(); len]),
+        })
+    }
+}
+
+impl<T: Element> std::ops::Deref for Buf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Buf::Huge(b) => b,
+            Buf::Malloc(v) => v,
+        }
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for Buf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            Buf::Huge(b) => b,
+            Buf::Malloc(v) => v,
+        }
+    }
 }
 
 /// Element conversions the benchmark needs to fill and check buffers.
@@ -120,34 +167,41 @@ fn sweep<T: BenchElem>(args: &Args) -> anyhow::Result<()> {
         };
         let size = count * esize;
         let mut times = Vec::with_capacity(args.iters);
-        let mut buf: Vec<T> = Vec::new();
+        let mut buf = Buf::<T>::new(args.alloc, if args.op == Op::Allgather { 0 } else { count })?;
+        let mut mine = Buf::<T>::new(
+            args.alloc,
+            if args.op == Op::Allgather {
+                count / n
+            } else {
+                0
+            },
+        )?;
+        let mut gathered: Vec<T> = Vec::new();
         for it in 0..args.warmup + args.iters {
-            hvd::barrier()?;
-            let t0;
+            // Inputs are filled before the barrier (as gloo_bench.py does), so no rank's fill
+            // is timed as another rank's wait.
             match args.op {
-                Op::Allreduce => {
-                    buf.clear();
-                    buf.resize(count, T::of(rank as f64 + 1.0));
-                    t0 = Instant::now();
-                    hvd::allreduce(&mut buf, ReduceOp::Sum)?;
-                }
-                Op::Broadcast => {
-                    buf.clear();
-                    buf.resize(count, T::of(if rank == 0 { 7.0 } else { 0.0 }));
-                    t0 = Instant::now();
-                    hvd::broadcast(&mut buf, 0)?;
-                }
-                Op::Allgather => {
-                    let mine = vec![T::of(rank as f64 + 1.0); count / n];
-                    t0 = Instant::now();
-                    buf = hvd::allgather(&mine, 1)?;
-                }
+                Op::Allreduce => buf.fill(T::of(rank as f64 + 1.0)),
+                Op::Broadcast => buf.fill(T::of(if rank == 0 { 7.0 } else { 0.0 })),
+                Op::Allgather => mine.fill(T::of(rank as f64 + 1.0)),
+            }
+            hvd::barrier()?;
+            let t0 = Instant::now();
+            match args.op {
+                Op::Allreduce => hvd::allreduce(&mut buf, ReduceOp::Sum)?,
+                Op::Broadcast => hvd::broadcast(&mut buf, 0)?,
+                Op::Allgather => gathered = hvd::allgather(&mine, 1)?,
             }
             let dt = t0.elapsed().as_secs_f64();
             if it >= args.warmup {
                 times.push(dt);
             }
-            check(args.op, &buf, count, n)?;
+            let result: &[T] = if args.op == Op::Allgather {
+                &gathered
+            } else {
+                &buf
+            };
+            check(args.op, result, count, n)?;
         }
         // The slowest rank's time per iteration.
         hvd::allreduce(&mut times, ReduceOp::Max)?;
@@ -156,7 +210,7 @@ fn sweep<T: BenchElem>(args: &Args) -> anyhow::Result<()> {
         let algbw = size as f64 / median / 1e9;
         if rank == 0 {
             // The ceiling: one plain copy of the same bytes on this machine, now.
-            let memcpy = memcpy_time(size, args.iters.max(3));
+            let memcpy = memcpy_time(args.alloc, size, args.iters.max(3))?;
             let frac = memcpy / median;
             if args.json {
                 println!(
@@ -179,20 +233,23 @@ fn sweep<T: BenchElem>(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Median seconds of copying `bytes` from one buffer to another (both touched first).
-fn memcpy_time(bytes: usize, iters: usize) -> f64 {
-    let src = vec![1u8; bytes.max(1)];
-    let mut dst = vec![0u8; bytes.max(1)];
+/// Median seconds of copying `bytes` from one buffer to another (both touched first), with
+/// buffers of the same allocation as the benchmark's.
+fn memcpy_time(alloc: Alloc, bytes: usize, iters: usize) -> anyhow::Result<f64> {
+    let mut src = Buf::<u8>::new(alloc, bytes.max(1))?;
+    src.fill(1);
+    let mut dst = Buf::<u8>::new(alloc, bytes.max(1))?;
+    dst.fill(0);
     let mut times: Vec<f64> = (0..iters)
         .map(|_| {
             let t = Instant::now();
             dst.copy_from_slice(&src);
-            std::hint::black_box(&mut dst);
+            std::hint::black_box(&mut *dst);
             t.elapsed().as_secs_f64()
         })
         .collect();
     times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+    Ok(times[times.len() / 2])
 }
 
 fn check<T: BenchElem>(op: Op, buf: &[T], count: usize, n: usize) -> anyhow::Result<()> {

@@ -9,6 +9,7 @@
 //!
 //! # Layout
 //! - `dtype`: element types and reduction kernels;
+//! - `buffer`: tensor buffers backed by transparent huge pages;
 //! - `wire`: the descriptor that opens every collective (a pure codec);
 //! - `connect`: the authenticated mesh handshake;
 //! - `link`: sockets, abort, and the shut-everything-down path that turns a failure anywhere
@@ -26,6 +27,7 @@
 //! # Ok::<(), hvd_collectives::CommError>(())
 //! ```
 
+mod buffer;
 mod cma;
 mod comm;
 mod config;
@@ -40,6 +42,7 @@ mod pipeline;
 mod timeline;
 mod wire;
 
+pub use buffer::HugeBuffer;
 pub use comm::Communicator;
 pub use config::{CommConfig, MAX_STREAMS};
 pub use dtype::{DType, Element, ReduceOp};
