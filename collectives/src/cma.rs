@@ -20,7 +20,9 @@ use nix::unistd::Pid;
 /// A word every process exposes so a peer can check that it may read this process's memory.
 static PROBE: u64 = 0x4856_4443_4d41_5052; // "HVDCMAPR"
 
-const RECORD: usize = 4 + 8 + 36 + 24;
+/// Affinity mask bytes in a record: CPUs 0 to 1023.
+const MASK_BYTES: usize = 128;
+const RECORD: usize = 4 + 8 + 36 + 24 + 4 + MASK_BYTES;
 const NEGOTIATE_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn boot_id() -> Option<[u8; 36]> {
@@ -64,6 +66,85 @@ pub(crate) struct Agreement {
     /// Ranks running on this machine (same boot id), this one included, whatever host group
     /// they belong to: how many share its cores.
     pub(crate) machine_ranks: usize,
+    /// The cores this machine's ranks run on, the same number on every one of them (see
+    /// [`shared_cores`]).
+    pub(crate) cores: usize,
+}
+
+/// What one rank offers to the cores count: the CPUs it may run on (affinity mask) and how many
+/// of them it may use at once (fewer under a CPU quota, or a configured count).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CoreOffer {
+    /// Bit `i` of byte `i / 8`: CPU `i` is in the rank's affinity mask.
+    pub(crate) mask: [u8; MASK_BYTES],
+    /// Cores the rank may use at once.
+    pub(crate) usable: u32,
+}
+
+impl CoreOffer {
+    /// This process's offer; `configured` replaces the usable count (`CommConfig::cores`).
+    pub(crate) fn own(configured: Option<usize>) -> Self {
+        let mut mask = [0u8; MASK_BYTES];
+        match nix::sched::sched_getaffinity(Pid::from_raw(0)) {
+            Ok(set) => {
+                for cpu in 0..(MASK_BYTES * 8).min(nix::sched::CpuSet::count()) {
+                    if set.is_set(cpu).unwrap_or(false) {
+                        mask[cpu / 8] |= 1 << (cpu % 8);
+                    }
+                }
+            }
+            // Unknown: as many CPUs as the process may use, numbered from 0.
+            Err(_) => {
+                for cpu in 0..crate::comm::cores().min(MASK_BYTES * 8) {
+                    mask[cpu / 8] |= 1 << (cpu % 8);
+                }
+            }
+        }
+        let usable = configured.unwrap_or_else(crate::comm::cores).max(1);
+        Self {
+            mask,
+            usable: u32::try_from(usable).unwrap_or(u32::MAX),
+        }
+    }
+
+    fn encode(&self, out: &mut [u8]) {
+        out[..4].copy_from_slice(&self.usable.to_le_bytes());
+        out[4..4 + MASK_BYTES].copy_from_slice(&self.mask);
+    }
+
+    fn decode(b: &[u8]) -> Self {
+        let mut mask = [0u8; MASK_BYTES];
+        mask.copy_from_slice(&b[4..4 + MASK_BYTES]);
+        Self {
+            mask,
+            usable: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        }
+    }
+
+    fn cpus(&self) -> u32 {
+        self.mask.iter().map(|b| b.count_ones()).sum()
+    }
+}
+
+/// The cores that the ranks of one machine share, from every one's offer, so that all of them
+/// agree on it: the union of their affinity masks (ranks pinned to distinct cores count them
+/// all), capped by any quota smaller than a rank's own mask (a container's CPU limit binds
+/// every process in it). At least 1.
+pub(crate) fn shared_cores(offers: &[CoreOffer]) -> usize {
+    let mut union = [0u8; MASK_BYTES];
+    for o in offers {
+        for (u, m) in union.iter_mut().zip(o.mask.iter()) {
+            *u |= m;
+        }
+    }
+    let cpus: u32 = union.iter().map(|b| b.count_ones()).sum();
+    let quota = offers
+        .iter()
+        .filter(|o| o.usable < o.cpus())
+        .map(|o| o.usable)
+        .min()
+        .unwrap_or(u32::MAX);
+    cpus.min(quota).max(1) as usize
 }
 
 /// Writes `data` at `addr` in process `pid`.
@@ -91,7 +172,8 @@ pub(crate) fn write_remote(pid: Pid, addr: usize, data: &[u8]) -> io::Result<()>
 /// host group (ranks listening on one address form one host, so that one machine can play
 /// several hosts); `enabled` is this rank's own setting, and one rank that disables it
 /// disables it for every group it belongs to. `hierarchical` is this rank's wish for
-/// hierarchical collectives; they need every rank's.
+/// hierarchical collectives; they need every rank's. `offer` is this rank's part of the
+/// machine's core count ([`shared_cores`]).
 pub(crate) fn negotiate(
     rank: usize,
     streams: &mut [Option<TcpStream>],
@@ -99,6 +181,7 @@ pub(crate) fn negotiate(
     enabled: bool,
     hierarchical: bool,
     mailbox: &crate::mailbox::Mailbox,
+    offer: CoreOffer,
 ) -> io::Result<Agreement> {
     let me = boot_id();
     let mut record = [0u8; RECORD];
@@ -115,6 +198,8 @@ pub(crate) fn negotiate(
     for (i, v) in [own.addr, own.stride, own.capacity].into_iter().enumerate() {
         record[48 + 8 * i..56 + 8 * i].copy_from_slice(&(v as u64).to_le_bytes());
     }
+    offer.encode(&mut record[72..]);
+    let mut offers = vec![offer];
     let mut mailboxes = vec![own; streams.len()];
     let mut machine_ranks = 1;
     for s in streams.iter_mut().flatten() {
@@ -146,6 +231,7 @@ pub(crate) fn negotiate(
         let same_host = host_of[j] == host_of[rank];
         if me.is_some_and(|b| b[..] == theirs[12..48]) {
             machine_ranks += 1;
+            offers.push(CoreOffer::decode(&theirs[72..]));
         }
         if !(can[0] || (same_host && can[1])) {
             continue;
@@ -190,5 +276,54 @@ pub(crate) fn negotiate(
         hierarchical: all,
         mailboxes,
         machine_ranks,
+        cores: shared_cores(&offers),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offer(cpus: impl IntoIterator<Item = usize>, usable: u32) -> CoreOffer {
+        let mut mask = [0u8; MASK_BYTES];
+        for c in cpus {
+            mask[c / 8] |= 1 << (c % 8);
+        }
+        CoreOffer { mask, usable }
+    }
+
+    #[test]
+    fn ranks_sharing_all_cores_count_them_once() {
+        let all = vec![offer(0..2, 2); 4];
+        assert_eq!(shared_cores(&all), 2);
+    }
+
+    #[test]
+    fn ranks_pinned_to_distinct_cores_count_every_core() {
+        let pinned: Vec<_> = (0..4).map(|c| offer([c * 3], 1)).collect();
+        assert_eq!(shared_cores(&pinned), 4);
+        let uneven = [offer(0..2, 2), offer([0], 1), offer([5], 1)];
+        assert_eq!(shared_cores(&uneven), 3);
+    }
+
+    #[test]
+    fn a_quota_below_the_mask_binds_every_rank() {
+        // A container limited to 2 CPUs on a 64-CPU machine, or a configured count.
+        let limited = vec![offer(0..64, 2); 4];
+        assert_eq!(shared_cores(&limited), 2);
+        let one_configured = [offer(0..64, 64), offer(0..64, 3)];
+        assert_eq!(shared_cores(&one_configured), 3);
+    }
+
+    #[test]
+    fn offers_survive_the_wire_and_never_count_zero() {
+        let o = offer([1, 9, 1023], 7);
+        let mut b = [0u8; 4 + MASK_BYTES];
+        o.encode(&mut b);
+        assert_eq!(CoreOffer::decode(&b), o);
+        assert_eq!(shared_cores(&[offer([], 0)]), 1);
+        let own = CoreOffer::own(None);
+        assert!(own.usable >= 1 && own.cpus() >= 1, "{own:?}");
+        assert_eq!(CoreOffer::own(Some(5)).usable, 5);
+    }
 }

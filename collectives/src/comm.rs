@@ -42,6 +42,9 @@ pub struct Communicator {
     posted: Option<u64>,
     /// Ranks of the world running on this machine (they share its cores).
     machine_ranks: usize,
+    /// The cores this machine's ranks share, agreed by all of them (so that every rank plans
+    /// the same crowded-host layout).
+    cores: usize,
     /// Further connections to each peer, over which the ring stripes its segments.
     extra: Vec<Vec<TcpStream>>,
 }
@@ -150,6 +153,7 @@ impl Communicator {
             cfg.same_host_copy,
             cfg.hierarchical != Some(false),
             &mailbox,
+            crate::cma::CoreOffer::own(cfg.cores),
         )
         .map_err(|source| CommError::Io {
             context: "agreeing on same-host transfers".into(),
@@ -161,6 +165,7 @@ impl Communicator {
         comm.cma = agreed.world.then(|| agreed.pids.clone());
         comm.mailbox = mailbox;
         comm.machine_ranks = agreed.machine_ranks;
+        comm.cores = agreed.cores;
         if agreed.world {
             let limit = agreed
                 .mailboxes
@@ -268,6 +273,7 @@ impl Communicator {
         c.extra = extra;
         c.cma = cma;
         c.machine_ranks = self.machine_ranks;
+        c.cores = self.cores;
         Ok(c)
     }
 
@@ -406,6 +412,7 @@ impl Communicator {
             mail: None,
             posted: None,
             machine_ranks: 1,
+            cores: cores(),
             extra: (0..n).map(|_| Vec::new()).collect(),
         }
     }
@@ -440,7 +447,12 @@ impl Communicator {
 
     /// Whether more ranks of the world run on this machine than it has cores.
     pub(crate) fn crowded(&self) -> bool {
-        self.size().max(self.machine_ranks) > cores()
+        self.size().max(self.machine_ranks) > self.cores
+    }
+
+    /// The cores this machine's ranks share (the same number on each of them).
+    pub(crate) fn shared_cores(&self) -> usize {
+        self.cores
     }
 
     /// How many calls this communicator has started.
@@ -562,19 +574,31 @@ impl Communicator {
         mine: Descriptor,
         local: std::result::Result<(), String>,
         out: impl Fn(usize) -> (Descriptor, &'p [u8]),
-        mut sink: impl FnMut(usize, &Descriptor, &mut TcpStream) -> std::io::Result<()>,
+        sink: impl FnMut(usize, &Descriptor, &mut TcpStream) -> std::io::Result<()>,
     ) -> Result<Vec<Descriptor>> {
-        let op = mine.kind.name();
-        let (n, r) = (self.size(), self.rank());
         if self.mail.is_some() {
             // On one host every call first agrees through the mailboxes, whatever path it
             // takes next, so ranks that disagree fail together instead of waiting on
             // different channels.
             let mut d = mine;
             d.payload_len = 0;
-            let mut scratch = vec![Vec::new(); n];
+            let mut scratch = vec![Vec::new(); self.size()];
             self.open_mailbox(d, local.clone(), &[], &mut scratch)?;
         }
+        self.open_sockets(mine, local, out, sink)
+    }
+
+    /// The socket half of [`Communicator::open`]: descriptors (and payloads) to and from every
+    /// peer over TCP; waits block in `poll`.
+    pub(crate) fn open_sockets<'p>(
+        &mut self,
+        mine: Descriptor,
+        local: std::result::Result<(), String>,
+        out: impl Fn(usize) -> (Descriptor, &'p [u8]),
+        mut sink: impl FnMut(usize, &Descriptor, &mut TcpStream) -> std::io::Result<()>,
+    ) -> Result<Vec<Descriptor>> {
+        let op = mine.kind.name();
+        let (n, r) = (self.size(), self.rank());
         let invalid = local.is_err();
         let flag = |mut d: Descriptor| {
             if invalid {
@@ -715,7 +739,7 @@ impl Communicator {
         let mut pending: Vec<usize> = (1..n).map(|k| (r + k) % n).collect();
         let started = std::time::Instant::now();
         // Ranks of other host groups may share this machine's cores too.
-        let crowded = n.max(self.machine_ranks) > cores();
+        let crowded = self.crowded();
         let mut rounds = 0u32;
         loop {
             let mut i = 0;

@@ -39,6 +39,11 @@ pub struct CommConfig {
     /// striped over all of them, which pays where one stream cannot fill a link (a long, fat
     /// network). Every rank must use the same number.
     pub streams: usize,
+    /// Cores this rank may use at once, if not what its CPU affinity and quota allow. The ranks
+    /// of one machine agree on the cores they share from every rank's mask and count; with more
+    /// ranks than cores, same-host waits sleep instead of spinning, and only one rank per core
+    /// reduces a large allreduce.
+    pub cores: Option<usize>,
 }
 
 impl CommConfig {
@@ -57,6 +62,7 @@ impl CommConfig {
             same_host_copy: true,
             hierarchical: None,
             streams: 1,
+            cores: None,
         }
     }
 
@@ -91,6 +97,9 @@ impl CommConfig {
                 "streams must be 1 to {MAX_STREAMS}, not {}",
                 self.streams
             ));
+        }
+        if self.cores == Some(0) {
+            return Err("cores must be at least 1".into());
         }
         if self.segment_bytes < 4096 {
             return Err(format!(

@@ -39,6 +39,12 @@ fn pieces(starts: &[usize], a: usize, b: usize) -> Vec<(usize, usize, usize)> {
 /// small enough that the block being reduced stays in cache.
 const SAME_HOST_CHUNK: usize = 256 * 1024;
 
+/// Bytes of peers' chunks staged at once by the same-host reduce (all peers of one step).
+const SAME_HOST_STAGING: usize = 768 * 1024;
+
+/// Bytes of an accumulator reduced against every source before moving on: a slice of L1.
+const REDUCE_STRETCH: usize = 8 * 1024;
+
 fn desc<T: Element>(kind: Kind, op: Option<ReduceOp>, seq: u64, count: usize) -> Descriptor {
     Descriptor {
         kind,
@@ -286,7 +292,7 @@ impl Communicator {
         // take turns with it) and it writes its finished block straight into every peer's
         // buffer: one barrier, no gather, no rank waiting on a descheduled block owner.
         let workers = if allgather && cross.is_none() && self.crowded() {
-            crate::comm::cores().clamp(1, n)
+            self.shared_cores().clamp(1, n)
         } else {
             n
         };
@@ -296,25 +302,42 @@ impl Communicator {
         } else {
             (0, 0)
         };
-        let chunk = (SAME_HOST_CHUNK / elem).max(1).min(hi - lo).max(1);
         // Block r is computed by rank r alone, so accumulating into it in place (own values
-        // first) gives every rank the same bits.
-        let mut tmp: Vec<T> = vec![bytemuck::Zeroable::zeroed(); chunk];
+        // first) gives every rank the same bits. Each step reads every peer's chunk, then
+        // reduces them all while they are in cache.
+        let peers: Vec<usize> = (0..n).filter(|&p| p != r).collect();
+        let per_peer = (SAME_HOST_STAGING / peers.len().max(1)).clamp(64 * 1024, SAME_HOST_CHUNK);
+        let chunk = (per_peer / elem).max(1).min(hi - lo).max(1);
+        let mut tmp: Vec<T> = vec![bytemuck::Zeroable::zeroed(); chunk * peers.len()];
         let mut failed = None;
         let mut at = lo;
         'reduce: while at < hi {
             let len = chunk.min(hi - at);
-            for p in (0..n).filter(|&p| p != r) {
-                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut tmp[..len]);
+            for (j, &p) in peers.iter().enumerate() {
+                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut tmp[j * len..(j + 1) * len]);
                 if let Err(e) = crate::cma::read_remote(pids[p], addrs[p] + at * elem, dst) {
                     failed = Some((p, e));
                     break 'reduce;
                 }
-                T::reduce_into(&mut buf[at..at + len], &tmp[..len], op.combining());
             }
+            reduce_blocked(
+                &mut buf[at..at + len],
+                &tmp[..len * peers.len()],
+                op.combining(),
+            );
             // Across hosts, an average is a sum divided once at the end (as the flat path does).
             if op == ReduceOp::Average && cross.is_none() {
                 T::divide(&mut buf[at..at + len], n);
+            }
+            // A crowded host's reducer pushes each finished chunk while it is still in cache.
+            if workers < n {
+                let raw: &[u8] = bytemuck::cast_slice(&buf[at..at + len]);
+                for p in (1..n).map(|k| (r + k) % n) {
+                    if let Err(e) = crate::cma::write_remote(pids[p], addrs[p] + at * elem, raw) {
+                        failed = Some((p, e));
+                        break 'reduce;
+                    }
+                }
             }
             at += len;
         }
@@ -330,14 +353,10 @@ impl Communicator {
             }
         }
         if workers < n {
-            let raw: &[u8] = bytemuck::cast_slice(&buf[lo..hi]);
-            for p in (1..n).map(|k| (r + k) % n).filter(|_| hi > lo) {
-                if let Err(e) = crate::cma::write_remote(pids[p], addrs[p] + lo * elem, raw) {
-                    return Err(self.fail(left_collective(p, name, &e)));
-                }
-            }
-            // Every block is written before any rank returns (and lets its buffer go).
-            return self.barrier();
+            // Every block is written before any rank returns (and lets its buffer go). The
+            // ranks that did not reduce have waited all along: they block on their sockets
+            // rather than wake every 100 µs on cores the reducers need.
+            return self.socket_barrier();
         }
         self.barrier()?;
         if allgather {
@@ -784,24 +803,56 @@ impl Communicator {
     /// # Errors
     /// A mismatch when another rank is in a different collective; a transport error.
     pub fn barrier(&mut self) -> Result<()> {
+        self.barrier_via(true)
+    }
+
+    /// A barrier whose waits block in the kernel on the sockets, never polling the
+    /// mailboxes: for ranks that wait through a long phase while others work on their cores.
+    /// Every rank of the call must take it at the same point.
+    fn socket_barrier(&mut self) -> Result<()> {
+        self.barrier_via(false)
+    }
+
+    /// A barrier through the mailboxes where they serve (`mailbox`), else over the sockets.
+    fn barrier_via(&mut self, mailbox: bool) -> Result<()> {
         let seq = self.begin()?;
         if self.size() == 1 {
             return Ok(());
         }
         let mut mine = desc::<u8>(Kind::Barrier, None, seq, 0);
         mine.dtype = None;
-        if self.fits_mailbox(0) {
+        let out = |_| (mine, &[][..]);
+        let sink = |_, d: &Descriptor, rd: &mut std::net::TcpStream| {
+            crate::link::discard(rd, d.payload_len)
+        };
+        if !mailbox {
+            self.open_sockets(mine, Ok(()), out, sink)?;
+        } else if self.fits_mailbox(0) {
             let mut inbox = vec![Vec::new(); self.size()];
             self.open_mailbox(mine, Ok(()), &[], &mut inbox)?;
-            return Ok(());
+        } else {
+            self.open(mine, Ok(()), out, sink)?;
         }
-        self.open(
-            mine,
-            Ok(()),
-            |_| (mine, &[][..]),
-            |_, d, rd| crate::link::discard(rd, d.payload_len),
-        )?;
         Ok(())
+    }
+}
+
+/// `acc op= src[k]` for every consecutive `acc.len()`-long part `src[k]` of `srcs`, in order,
+/// one L1-sized stretch of `acc` at a time, so `acc` is read and written once instead of once
+/// per part. Every element sees the same operations in the same order as part-by-part.
+fn reduce_blocked<T: Element>(acc: &mut [T], srcs: &[T], op: ReduceOp) {
+    let len = acc.len();
+    if len == 0 {
+        return;
+    }
+    let step = (REDUCE_STRETCH / std::mem::size_of::<T>()).max(1);
+    let mut at = 0;
+    while at < len {
+        let end = (at + step).min(len);
+        for part in srcs.chunks_exact(len) {
+            T::reduce_into(&mut acc[at..end], &part[at..end], op);
+        }
+        at = end;
     }
 }
 

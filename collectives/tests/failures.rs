@@ -119,14 +119,21 @@ fn invalid_arguments_on_one_rank_fail_every_rank() {
 #[test]
 fn peer_dying_mid_allreduce_fails_the_others_fast() {
     // One host; then two hosts (127.0.0.2 and .3) where allreduce runs hierarchically.
+    // On a crowded host (2 cores for 4 ranks) ranks 0 and 1 reduce while 2 and 3 wait: a
+    // reducer dies, then a waiter.
     let one: &[&str] = &["127.0.0.1"; 4];
     let two: &[&str] = &["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
-    for ips in [one, two] {
+    for (ips, cores, dying) in [
+        (one, None, 3),
+        (two, None, 3),
+        (one, Some(2), 0),
+        (one, Some(2), 3),
+    ] {
         let out = world_on(
             ips,
-            |_| {},
+            |cfg| cfg.cores = cores,
             |comm| {
-                if comm.rank() == 3 {
+                if comm.rank() == dying {
                     let abort = comm.abort_handle();
                     let killer = thread::spawn(move || {
                         thread::sleep(Duration::from_millis(30));
@@ -152,11 +159,17 @@ fn peer_dying_mid_allreduce_fails_the_others_fast() {
             },
         );
         for (err, after, later) in out.into_iter().flatten() {
-            assert!(matches!(err, CommError::PeerLost { .. }), "{ips:?}: {err}");
-            assert!(after < Duration::from_secs(3), "{ips:?}: took {after:?}");
+            assert!(
+                matches!(err, CommError::PeerLost { .. }),
+                "{ips:?} cores {cores:?} rank {dying} dies: {err}"
+            );
+            assert!(
+                after < Duration::from_secs(3),
+                "{ips:?} cores {cores:?} rank {dying} dies: took {after:?}"
+            );
             assert!(
                 matches!(later, CommError::Broken { .. }),
-                "{ips:?}: {later}"
+                "{ips:?} cores {cores:?} rank {dying} dies: {later}"
             );
         }
     }

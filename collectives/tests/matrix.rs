@@ -195,6 +195,22 @@ fn world_of_7() {
     world(7, check_all);
 }
 
+/// More ranks than cores, whatever this machine has: only one rank per core reduces, and it
+/// writes its finished block into every peer. Ranks given different counts still agree on one
+/// (the union of their masks, capped by the smallest limit below a mask), so the layout is
+/// the same everywhere.
+#[test]
+fn crowded_hosts() {
+    for (n, cores) in [(4, 2), (3, 1), (5, 3)] {
+        world_with(n, |cfg| cfg.cores = Some(cores), check_all);
+    }
+    world_with(
+        4,
+        |cfg| cfg.cores = Some(if cfg.rank == 0 { 3 } else { 2 }),
+        check_all,
+    );
+}
+
 /// The TCP ring, as between hosts: the worlds above share one process and so read each
 /// other's buffers directly.
 #[test]
