@@ -68,6 +68,7 @@ fn main() -> anyhow::Result<()> {
             "homogeneous": t.homogeneous, "pid": std::process::id(),
             "hierarchical": hierarchical,
             "glibc_tunables": std::env::var("GLIBC_TUNABLES").ok(),
+            "thp_mem_alloc_enable": std::env::var("THP_MEM_ALLOC_ENABLE").ok(),
             "hostname": std::env::var("HOROVOD_HOSTNAME").unwrap_or_default(),
         })
     );

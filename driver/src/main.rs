@@ -247,12 +247,7 @@ fn discovery_source(args: &cli::Args) -> anyhow::Result<elastic::run::Source> {
 /// `--tcp-streams`, huge pages for large allocations, and a fresh timeline file for
 /// `--timeline-filename`.
 fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
-    let mut env = huge_pages_env(
-        std::env::var("GLIBC_TUNABLES").ok().as_deref(),
-        std::env::var(hvd_rendezvous::ENV_HUGE_PAGES)
-            .ok()
-            .as_deref(),
-    );
+    let mut env = huge_pages_env(|k| std::env::var(k).ok());
     for (flag, value, var, scale) in [
         (
             "--cycle-time-ms",
@@ -327,13 +322,28 @@ fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
 /// and buffers freed at every elastic reset (the fusion buffer) would then fragment the heap
 /// instead of going back to the system. A `GLIBC_TUNABLES` of the user's is left alone, and
 /// `HVD_HUGE_PAGES=0` turns it off.
+///
+/// glibc 2.35 and 2.36 (Debian 12, Ubuntu 22.04) read the kernel's huge-page mode into an
+/// unterminated buffer and ignore the tunable in some processes, at random; PyTorch's own
+/// allocator is therefore asked too ([`THP_ALLOC`]), and `hvd::HugeBuffer` asks the kernel
+/// directly.
 const HUGE_PAGES_TUNABLES: &str = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=2097152";
 
-fn huge_pages_env(tunables: Option<&str>, switch: Option<&str>) -> Vec<(String, String)> {
-    if tunables.is_some() || switch.is_some_and(|v| v.trim() == "0") {
+/// PyTorch's switch for its CPU allocator: tensors of 2 MiB and more are aligned to huge pages
+/// and advised as such, whatever glibc does.
+const THP_ALLOC: &str = "THP_MEM_ALLOC_ENABLE";
+
+/// The huge-page variables workers get: each unless the user set it, none with
+/// `HVD_HUGE_PAGES=0`. `user` tells whether a variable is already set.
+fn huge_pages_env(user: impl Fn(&str) -> Option<String>) -> Vec<(String, String)> {
+    if user(hvd_rendezvous::ENV_HUGE_PAGES).is_some_and(|v| v.trim() == "0") {
         return Vec::new();
     }
-    vec![("GLIBC_TUNABLES".into(), HUGE_PAGES_TUNABLES.into())]
+    [("GLIBC_TUNABLES", HUGE_PAGES_TUNABLES), (THP_ALLOC, "1")]
+        .into_iter()
+        .filter(|(k, _)| user(k).is_none())
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 fn positive(v: f64, name: &str) -> anyhow::Result<Duration> {
@@ -525,13 +535,30 @@ mod tests {
 
     #[test]
     fn workers_get_huge_pages_unless_the_user_says_otherwise() {
-        let on = vec![(
-            "GLIBC_TUNABLES".to_string(),
-            "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=2097152".to_string(),
-        )];
-        assert_eq!(huge_pages_env(None, None), on);
-        assert_eq!(huge_pages_env(None, Some("1")), on);
-        assert!(huge_pages_env(None, Some(" 0 ")).is_empty());
-        assert!(huge_pages_env(Some("glibc.malloc.check=0"), None).is_empty());
+        let env = |set: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                set.iter()
+                    .find(|(name, _)| *name == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let pair = |k: &str, v: &str| (k.to_string(), v.to_string());
+        let tunables = pair(
+            "GLIBC_TUNABLES",
+            "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=2097152",
+        );
+        let torch = pair("THP_MEM_ALLOC_ENABLE", "1");
+        let both = vec![tunables.clone(), torch.clone()];
+        assert_eq!(huge_pages_env(env(&[])), both);
+        assert_eq!(huge_pages_env(env(&[("HVD_HUGE_PAGES", "1")])), both);
+        assert!(huge_pages_env(env(&[("HVD_HUGE_PAGES", " 0 ")])).is_empty());
+        assert_eq!(
+            huge_pages_env(env(&[("GLIBC_TUNABLES", "glibc.malloc.check=0")])),
+            vec![torch]
+        );
+        assert_eq!(
+            huge_pages_env(env(&[("THP_MEM_ALLOC_ENABLE", "0")])),
+            vec![tunables]
+        );
     }
 }

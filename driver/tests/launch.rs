@@ -570,27 +570,27 @@ fn hierarchical_allreduce_follows_placement_and_flags() {
     );
 }
 
-/// Workers ask glibc for huge pages by default; `HVD_HUGE_PAGES=0` or a `GLIBC_TUNABLES` of the
-/// user's leaves malloc alone.
+/// Workers ask glibc's and PyTorch's allocators for huge pages by default; `HVD_HUGE_PAGES=0`
+/// turns both off, and a variable the user set is left as it is.
 #[test]
 fn workers_get_huge_pages_unless_told_otherwise() {
     let probe = probe();
-    for (var, value, want) in [
-        (
-            None,
-            "",
-            Some("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=2097152"),
-        ),
-        (Some("HVD_HUGE_PAGES"), "0", None),
+    let tunables = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=2097152";
+    for (var, value, want_tunables, want_torch) in [
+        (None, "", Some(tunables), Some("1")),
+        (Some("HVD_HUGE_PAGES"), "0", None, None),
         (
             Some("GLIBC_TUNABLES"),
             "glibc.malloc.check=0",
             Some("glibc.malloc.check=0"),
+            Some("1"),
         ),
+        (Some("THP_MEM_ALLOC_ENABLE"), "0", Some(tunables), Some("0")),
     ] {
         let mut cmd = horovodrun();
         cmd.env_remove("GLIBC_TUNABLES")
-            .env_remove("HVD_HUGE_PAGES");
+            .env_remove("HVD_HUGE_PAGES")
+            .env_remove("THP_MEM_ALLOC_ENABLE");
         if let Some(v) = var {
             cmd.env(v, value);
         }
@@ -599,10 +599,17 @@ fn workers_get_huge_pages_unless_told_otherwise() {
             .output()
             .expect("run horovodrun");
         assert!(out.status.success(), "{}", text(&out.stderr));
-        let seen: Vec<Option<String>> = topologies(&text(&out.stdout))
+        let seen: Vec<(Option<String>, Option<String>)> = topologies(&text(&out.stdout))
             .iter()
-            .map(|v| v["glibc_tunables"].as_str().map(str::to_string))
+            .map(|v| {
+                let get = |k: &str| v[k].as_str().map(str::to_string);
+                (get("glibc_tunables"), get("thp_mem_alloc_enable"))
+            })
             .collect();
-        assert_eq!(seen, vec![want.map(str::to_string); 2], "{var:?}={value}");
+        let want = (
+            want_tunables.map(str::to_string),
+            want_torch.map(str::to_string),
+        );
+        assert_eq!(seen, vec![want; 2], "{var:?}={value}");
     }
 }
