@@ -287,24 +287,52 @@ impl Communicator {
                 Ok(())
             },
         )?;
+        let mut bufs = [buf];
+        let addrs: Vec<Vec<usize>> = addrs.into_iter().map(|a| vec![a]).collect();
+        self.reduce_blocks_same_host(name, &mut bufs, &addrs, pids, op, allgather, cross)
+    }
+
+    /// The work of the same-host reduce, on the virtual concatenation of `bufs` (one tensor,
+    /// or a grouped call's several) whose start addresses in rank `p` are `addrs[p]`. Block
+    /// `w` of the concatenation is reduced by rank `w` alone, in place, own values first and
+    /// then each peer's in rank order, so every rank gets the same bits; a barrier separates
+    /// the phases, and another keeps every buffer untouched until no peer reads it any more.
+    /// With `cross`, each block is then allreduced among the other hosts' ranks of the same
+    /// local index before the blocks are gathered.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_blocks_same_host<T: Element>(
+        &mut self,
+        name: &'static str,
+        bufs: &mut [&mut [T]],
+        addrs: &[Vec<usize>],
+        pids: &[nix::unistd::Pid],
+        op: ReduceOp,
+        allgather: bool,
+        cross: Option<&mut Communicator>,
+    ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank());
+        let mut starts = Vec::with_capacity(bufs.len() + 1);
+        starts.push(0usize);
+        for b in bufs.iter() {
+            starts.push(starts[starts.len() - 1] + b.len());
+        }
+        let total = starts[bufs.len()];
         let elem = std::mem::size_of::<T>();
         // With more ranks than cores, only one rank per core reduces (the others would just
         // take turns with it) and it writes its finished block straight into every peer's
-        // buffer: one barrier, no gather, no rank waiting on a descheduled block owner.
+        // buffers: one barrier, no gather, no rank waiting on a descheduled block owner.
         let workers = if allgather && cross.is_none() && self.crowded() {
             self.shared_cores().clamp(1, n)
         } else {
             n
         };
-        let blocks = block_bounds(buf.len(), workers);
+        let blocks = block_bounds(total, workers);
         let (lo, hi) = if r < workers {
             (blocks[r], blocks[r + 1])
         } else {
             (0, 0)
         };
-        // Block r is computed by rank r alone, so accumulating into it in place (own values
-        // first) gives every rank the same bits. Each step reads every peer's chunk, then
-        // reduces them all while they are in cache.
+        // Each step reads every peer's chunk, then reduces them all while they are in cache.
         let peers: Vec<usize> = (0..n).filter(|&p| p != r).collect();
         let per_peer = (SAME_HOST_STAGING / peers.len().max(1)).clamp(64 * 1024, SAME_HOST_CHUNK);
         let chunk = (per_peer / elem).max(1).min(hi - lo).max(1);
@@ -313,29 +341,39 @@ impl Communicator {
         let mut at = lo;
         'reduce: while at < hi {
             let len = chunk.min(hi - at);
+            let parts = pieces(&starts, at, at + len);
             for (j, &p) in peers.iter().enumerate() {
-                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut tmp[j * len..(j + 1) * len]);
-                if let Err(e) = crate::cma::read_remote(pids[p], addrs[p] + at * elem, dst) {
-                    failed = Some((p, e));
-                    break 'reduce;
+                let mut filled = j * len;
+                for &(i, off, plen) in &parts {
+                    let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut tmp[filled..filled + plen]);
+                    if let Err(e) = crate::cma::read_remote(pids[p], addrs[p][i] + off * elem, dst)
+                    {
+                        failed = Some((p, e));
+                        break 'reduce;
+                    }
+                    filled += plen;
                 }
             }
-            reduce_blocked(
-                &mut buf[at..at + len],
-                &tmp[..len * peers.len()],
-                op.combining(),
-            );
-            // Across hosts, an average is a sum divided once at the end (as the flat path does).
-            if op == ReduceOp::Average && cross.is_none() {
-                T::divide(&mut buf[at..at + len], n);
+            let mut taken = 0;
+            for &(i, off, plen) in &parts {
+                let acc = &mut bufs[i][off..off + plen];
+                reduce_staged(acc, &tmp[taken..], len, peers.len(), op.combining());
+                // Across hosts, an average is a sum divided once at the end.
+                if op == ReduceOp::Average && cross.is_none() {
+                    T::divide(acc, n);
+                }
+                taken += plen;
             }
             // A crowded host's reducer pushes each finished chunk while it is still in cache.
             if workers < n {
-                let raw: &[u8] = bytemuck::cast_slice(&buf[at..at + len]);
-                for p in (1..n).map(|k| (r + k) % n) {
-                    if let Err(e) = crate::cma::write_remote(pids[p], addrs[p] + at * elem, raw) {
-                        failed = Some((p, e));
-                        break 'reduce;
+                for &(i, off, plen) in &parts {
+                    let raw: &[u8] = bytemuck::cast_slice(&bufs[i][off..off + plen]);
+                    for p in (1..n).map(|k| (r + k) % n) {
+                        let to = addrs[p][i] + off * elem;
+                        if let Err(e) = crate::cma::write_remote(pids[p], to, raw) {
+                            failed = Some((p, e));
+                            break 'reduce;
+                        }
                     }
                 }
             }
@@ -345,15 +383,27 @@ impl Communicator {
             return Err(self.fail(left_collective(p, name, &e)));
         }
         if let Some(x) = cross {
-            if let Err(e) = x.allreduce(&mut buf[lo..hi], op.combining()) {
+            let mut mine: Vec<&mut [T]> = bufs
+                .iter_mut()
+                .zip(starts.windows(2))
+                .filter_map(|(b, w)| {
+                    let (s, e) = (w[0].max(lo), w[1].min(hi));
+                    (s < e).then(|| &mut b[s - w[0]..e - w[0]])
+                })
+                .collect();
+            let done = match mine.as_mut_slice() {
+                [one] => x.allreduce(one, op.combining()),
+                many => x.grouped_allreduce(many, op.combining()),
+            };
+            if let Err(e) = done {
                 return Err(self.fail(e));
             }
             if op == ReduceOp::Average {
-                T::divide(&mut buf[lo..hi], n * x.size());
+                mine.iter_mut().for_each(|b| T::divide(b, n * x.size()));
             }
         }
         if workers < n {
-            // Every block is written before any rank returns (and lets its buffer go). The
+            // Every block is written before any rank returns (and lets its buffers go). The
             // ranks that did not reduce have waited all along: they block on their sockets
             // rather than wake every 100 µs on cores the reducers need.
             return self.socket_barrier();
@@ -361,10 +411,12 @@ impl Communicator {
         self.barrier()?;
         if allgather {
             for p in (1..n).map(|k| (r + k) % n) {
-                let (plo, phi) = (blocks[p], blocks[p + 1]);
-                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut buf[plo..phi]);
-                if let Err(e) = crate::cma::read_remote(pids[p], addrs[p] + plo * elem, dst) {
-                    return Err(self.fail(left_collective(p, name, &e)));
+                for (i, off, plen) in pieces(&starts, blocks[p], blocks[p + 1]) {
+                    let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut bufs[i][off..off + plen]);
+                    if let Err(e) = crate::cma::read_remote(pids[p], addrs[p][i] + off * elem, dst)
+                    {
+                        return Err(self.fail(left_collective(p, name, &e)));
+                    }
                 }
             }
             self.barrier()?;
@@ -424,54 +476,7 @@ impl Communicator {
                 Ok(())
             },
         )?;
-        let elem = std::mem::size_of::<T>();
-        let blocks = block_bounds(total, n);
-        let (lo, hi) = (blocks[r], blocks[r + 1]);
-        let chunk = (SAME_HOST_CHUNK / elem).max(1).min(hi - lo);
-        // As in reduce_same_host: block r is reduced by rank r alone, into its own buffers
-        // (own values first, then each peer's in rank order), so no accumulator copy.
-        let mut tmp: Vec<T> = vec![bytemuck::Zeroable::zeroed(); chunk];
-        let mut at = lo;
-        while at < hi {
-            let len = chunk.min(hi - at);
-            let parts = pieces(&starts, at, at + len);
-            for p in (0..n).filter(|&p| p != r) {
-                let mut filled = 0;
-                for &(i, off, plen) in &parts {
-                    let raw: &mut [u8] = bytemuck::cast_slice_mut(&mut tmp[filled..filled + plen]);
-                    if let Err(e) = crate::cma::read_remote(pids[p], addrs[p][i] + off * elem, raw)
-                    {
-                        return Err(self.fail(left_collective(p, "allreduce", &e)));
-                    }
-                    filled += plen;
-                }
-                let mut taken = 0;
-                for &(i, off, plen) in &parts {
-                    T::reduce_into(
-                        &mut bufs[i][off..off + plen],
-                        &tmp[taken..taken + plen],
-                        op.combining(),
-                    );
-                    taken += plen;
-                }
-            }
-            if op == ReduceOp::Average {
-                for &(i, off, plen) in &parts {
-                    T::divide(&mut bufs[i][off..off + plen], n);
-                }
-            }
-            at += len;
-        }
-        self.barrier()?;
-        for p in (1..n).map(|q| (r + q) % n) {
-            for (i, off, plen) in pieces(&starts, blocks[p], blocks[p + 1]) {
-                let raw: &mut [u8] = bytemuck::cast_slice_mut(&mut bufs[i][off..off + plen]);
-                if let Err(e) = crate::cma::read_remote(pids[p], addrs[p][i] + off * elem, raw) {
-                    return Err(self.fail(left_collective(p, "allreduce", &e)));
-                }
-            }
-        }
-        self.barrier()
+        self.reduce_blocks_same_host("allreduce", bufs, &addrs, &pids, op, true, None)
     }
 
     /// Copies `buf` from rank `root` to every rank.
@@ -837,20 +842,24 @@ impl Communicator {
     }
 }
 
-/// `acc op= src[k]` for every consecutive `acc.len()`-long part `src[k]` of `srcs`, in order,
-/// one L1-sized stretch of `acc` at a time, so `acc` is read and written once instead of once
-/// per part. Every element sees the same operations in the same order as part-by-part.
-fn reduce_blocked<T: Element>(acc: &mut [T], srcs: &[T], op: ReduceOp) {
+/// `acc[x] op= staged[k * stride + x]` for every source `k < sources`, in order, one L1-sized
+/// stretch of `acc` at a time, so `acc` is read and written once instead of once per source.
+/// Every element sees the same operations in the same order as source by source.
+fn reduce_staged<T: Element>(
+    acc: &mut [T],
+    staged: &[T],
+    stride: usize,
+    sources: usize,
+    op: ReduceOp,
+) {
     let len = acc.len();
-    if len == 0 {
-        return;
-    }
     let step = (REDUCE_STRETCH / std::mem::size_of::<T>()).max(1);
     let mut at = 0;
     while at < len {
         let end = (at + step).min(len);
-        for part in srcs.chunks_exact(len) {
-            T::reduce_into(&mut acc[at..end], &part[at..end], op);
+        for k in 0..sources {
+            let src = &staged[k * stride + at..k * stride + end];
+            T::reduce_into(&mut acc[at..end], src, op);
         }
         at = end;
     }

@@ -94,26 +94,25 @@ fn check_dtype<T: TestElem>(comm: &mut Communicator) {
             assert_close(&got, mine, &format!("reducescatter {what}"));
         }
         // Grouped: three tensors of different lengths, reduced as one.
-        let mut a = input::<T>(r, len, ReduceOp::Sum, salt);
-        let mut b = input::<T>(r, len / 2 + 1, ReduceOp::Sum, salt + 1);
-        let mut c = input::<T>(r, 3, ReduceOp::Sum, salt + 2);
-        comm.grouped_allreduce(&mut [&mut a, &mut b, &mut c], ReduceOp::Sum)
-            .expect("grouped");
-        assert_close(
-            &a,
-            &reference::<T>(n, len, ReduceOp::Sum, salt),
-            "grouped a",
-        );
-        assert_close(
-            &b,
-            &reference::<T>(n, len / 2 + 1, ReduceOp::Sum, salt + 1),
-            "grouped b",
-        );
-        assert_close(
-            &c,
-            &reference::<T>(n, 3, ReduceOp::Sum, salt + 2),
-            "grouped c",
-        );
+        for gop in [ReduceOp::Sum, ReduceOp::Average] {
+            let mut a = input::<T>(r, len, gop, salt);
+            let mut b = input::<T>(r, len / 2 + 1, gop, salt + 1);
+            let mut c = input::<T>(r, 3, gop, salt + 2);
+            comm.grouped_allreduce(&mut [&mut a, &mut b, &mut c], gop)
+                .expect("grouped");
+            let what = format!("grouped {gop:?}");
+            assert_close(&a, &reference::<T>(n, len, gop, salt), &format!("{what} a"));
+            assert_close(
+                &b,
+                &reference::<T>(n, len / 2 + 1, gop, salt + 1),
+                &format!("{what} b"),
+            );
+            assert_close(
+                &c,
+                &reference::<T>(n, 3, gop, salt + 2),
+                &format!("{what} c"),
+            );
+        }
 
         for root in 0..n {
             let mut buf = if r == root {
