@@ -70,6 +70,7 @@ fn main() -> anyhow::Result<()> {
     let mut one = vec![1.0f32; args.elems];
     let mut single = Vec::new();
     for i in 0..=args.iters {
+        one.fill(1.0);
         hvd::barrier()?;
         let t = Instant::now();
         hvd::allreduce(&mut one, ReduceOp::Sum)?;
@@ -87,27 +88,30 @@ fn main() -> anyhow::Result<()> {
     let (cycle_ms, fusion_mb) = (cfg.cycle.as_secs_f64() * 1e3, cfg.fusion_bytes >> 20);
     let engine = hvd::start_engine(cfg)?;
     let mut burst = Vec::new();
+    // The gradients live across steps, as a training loop's do: each step hands the engine
+    // the buffers it gave back the step before, refilled.
+    let mut tensors: Vec<Vec<f32>> = lens.iter().map(|&n| vec![1.0f32; n]).collect();
     for i in 0..=args.iters {
-        let tensors: Vec<Vec<f32>> = lens.iter().map(|&n| vec![1.0f32; n]).collect();
+        tensors.iter_mut().for_each(|t| t.fill(1.0));
         // Everyone starts together: a barrier through the engine itself.
         engine
             .allreduce_async(&format!("start/{i}"), vec![0u8], ReduceOp::Max)
             .wait()?;
         let t = Instant::now();
         let handles: Vec<_> = tensors
-            .into_iter()
+            .drain(..)
             .enumerate()
             // The same names every step, as a training loop's gradients have (the response
             // cache announces them by id after the first step).
             .map(|(k, v)| engine.allreduce_async(&format!("grad{k}"), v, ReduceOp::Sum))
             .collect();
-        let results = handles
+        tensors = handles
             .into_iter()
             .map(hvd::Handle::wait)
             .collect::<Result<Vec<_>, _>>()?;
         let took = t.elapsed();
         anyhow::ensure!(
-            results.iter().flatten().all(|&x| x == size as f32),
+            tensors.iter().flatten().all(|&x| x == size as f32),
             "wrong sum"
         );
         if i > 0 {
