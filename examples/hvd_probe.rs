@@ -47,6 +47,29 @@ struct Args {
     elems: usize,
 }
 
+/// KiB of huge pages backing a freshly touched 8 MiB `Vec` (its mapping's `AnonHugePages`), to
+/// check `hvd::malloc_huge_pages` against what the kernel did.
+fn malloc_huge_kb() -> Option<u64> {
+    let mut v = vec![0u8; 8 << 20];
+    v.fill(1);
+    let addr = std::hint::black_box(&v).as_ptr() as u64;
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line.split_whitespace().next().unwrap_or("");
+        if let Some((lo, hi)) = range.split_once('-') {
+            if let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) {
+                inside = (lo..hi).contains(&addr);
+                continue;
+            }
+        }
+        if let Some(kb) = line.strip_prefix("AnonHugePages:").filter(|_| inside) {
+            return kb.trim().trim_end_matches("kB").trim().parse().ok();
+        }
+    }
+    None
+}
+
 /// Ends the process when a process set's allreduce is wrong.
 fn bail_step(rank: usize, size: usize, got: i64, want: i64) -> ! {
     eprintln!("rank {rank} of {size}: the process set summed to {got}, not {want}");
@@ -69,6 +92,8 @@ fn main() -> anyhow::Result<()> {
             "hierarchical": hierarchical,
             "glibc_tunables": std::env::var("GLIBC_TUNABLES").ok(),
             "thp_mem_alloc_enable": std::env::var("THP_MEM_ALLOC_ENABLE").ok(),
+            "malloc_huge_pages": hvd::malloc_huge_pages(),
+            "malloc_huge_kb": malloc_huge_kb(),
             "hostname": std::env::var("HOROVOD_HOSTNAME").unwrap_or_default(),
         })
     );

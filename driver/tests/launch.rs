@@ -611,5 +611,21 @@ fn workers_get_huge_pages_unless_told_otherwise() {
             want_torch.map(str::to_string),
         );
         assert_eq!(seen, vec![want; 2], "{var:?}={value}");
+        // Each worker says whether its malloc honoured the request (glibc 2.35/2.36 ignore it
+        // in some processes), and that answer matches the pages a touched buffer got.
+        let madvise = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .is_ok_and(|m| m.contains("[madvise]"));
+        for t in topologies(&text(&out.stdout)) {
+            let (honoured, kb) = (
+                t["malloc_huge_pages"].as_bool(),
+                t["malloc_huge_kb"].as_u64(),
+            );
+            match (want_tunables == Some(tunables) && madvise, honoured) {
+                (true, Some(true)) => assert!(kb > Some(0), "{var:?}={value}: {t}"),
+                (true, Some(false)) => assert_eq!(kb, Some(0), "{var:?}={value}: {t}"),
+                (false, None) => {}
+                other => panic!("{var:?}={value}: {other:?} in {t}"),
+            }
+        }
     }
 }

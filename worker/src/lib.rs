@@ -25,6 +25,7 @@ mod client;
 pub mod elastic;
 mod error;
 mod launch;
+mod pages;
 mod process_set;
 
 use std::net::TcpListener;
@@ -39,6 +40,7 @@ pub use hvd_collectives::{
 };
 pub use hvd_rendezvous::Placement;
 pub use launch::{Env, Launch, ProcessEnv};
+pub use pages::malloc_huge_pages;
 pub use process_set::{
     ProcessSet, add_process_set, allreduce_on, process_sets, remove_process_set, with_process_set,
 };
@@ -145,6 +147,14 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
         });
         return Ok(());
     };
+    if pages::malloc_huge_pages() == Some(false) {
+        tracing::info!(
+            "malloc in this process ignored GLIBC_TUNABLES glibc.malloc.hugetlb=1 (glibc 2.35 \
+             and 2.36 do so at random): its large buffers stay on 4 KiB pages, which same-host \
+             transfers copy at about half speed; hvd::HugeBuffer, PyTorch's \
+             THP_MEM_ALLOC_ENABLE=1 (set by horovodrun) or transparent_hugepage=always avoid it"
+        );
+    }
     let (listener, advertised) = client::bind_listener(&launch)?;
     let (client, round) = client::Client::register(&launch, &advertised)?;
     let mut session = Session {
