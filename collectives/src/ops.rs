@@ -251,11 +251,9 @@ impl Communicator {
         }
     }
 
-    /// Reduce-scatter (and allgather) among ranks of one host, reading peers' buffers in place.
-    /// Rank `r` alone reduces block `r`, in rank order, so every rank gets bit-identical
-    /// results; a barrier separates the phases, and another keeps every buffer untouched until
-    /// no peer reads it any more. With `cross`, block `r` is then allreduced among the
-    /// other hosts' ranks of the same local index before the blocks are gathered.
+    /// Reduce-scatter (and allgather) of one buffer among ranks of one host, reading peers'
+    /// buffers in place: opens the call with this rank's buffer address, then
+    /// [`Communicator::reduce_blocks_same_host`] does the work (with `cross`, across hosts too).
     #[allow(clippy::too_many_arguments)]
     fn reduce_same_host<T: Element>(
         &mut self,
