@@ -43,8 +43,9 @@ pub struct JobSpec {
     pub network_interface: Option<String>,
     /// Address workers use to reach the driver's rendezvous (host part), and where it binds.
     pub rendezvous_host: String,
-    /// Bind address of the rendezvous listener.
-    pub rendezvous_bind: String,
+    /// Bind address of the rendezvous listener; `None` listens on every interface, IPv6 and
+    /// IPv4 (workers on other hosts may reach this one either way).
+    pub rendezvous_bind: Option<String>,
     /// More variables for every worker (the timeline's).
     pub extra_env: Vec<(String, String)>,
     /// How workers are started.
@@ -408,7 +409,10 @@ impl Launcher {
 pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
     let size = spec.slots.len();
     let secret = new_secret()?;
-    let listener = tokio::net::TcpListener::bind((spec.rendezvous_bind.as_str(), 0)).await?;
+    let listener = match &spec.rendezvous_bind {
+        Some(addr) => tokio::net::TcpListener::bind((addr.as_str(), 0)).await?,
+        None => crate::net::bind_any(0, "rendezvous").await?,
+    };
     let rendezvous = format!("{}:{}", spec.rendezvous_host, listener.local_addr()?.port());
     tracing::debug!(%rendezvous, "rendezvous listening");
     let (wire_tx, mut wire_rx) = mpsc::channel::<Wire>(size * 2 + 8);

@@ -5,6 +5,7 @@ mod cli;
 mod elastic;
 mod hosts;
 mod job;
+mod net;
 mod rendezvous;
 mod status;
 
@@ -423,13 +424,13 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
     }
     let all_local = local.iter().all(|&l| l);
     let (rendezvous_bind, rendezvous_host) = if all_local {
-        ("127.0.0.1".to_string(), "127.0.0.1".to_string())
+        (Some("127.0.0.1".to_string()), "127.0.0.1".to_string())
     } else {
         let host = match &args.network_interface {
             Some(i) => interface_ip(i)?,
             None => own.clone(),
         };
-        ("0.0.0.0".to_string(), host)
+        (None, host)
     };
     tracing::info!(
         np,

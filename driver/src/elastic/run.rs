@@ -313,35 +313,6 @@ async fn poll(source: Source, interval: Duration, tx: mpsc::Sender<Input>) {
     }
 }
 
-/// Binds `port` on every interface for `what` (the rendezvous, the status endpoint): `[::]`,
-/// taking IPv4 clients too, or `0.0.0.0` (with a warning) where the host has no IPv6.
-async fn bind_any(port: u16, what: &str) -> std::io::Result<tokio::net::TcpListener> {
-    use std::io::ErrorKind;
-    match bind_dual_stack(port) {
-        Ok(l) => Ok(l),
-        // Not an IPv6 problem: IPv4 would fail the same way.
-        Err(e) if matches!(e.kind(), ErrorKind::AddrInUse | ErrorKind::PermissionDenied) => Err(e),
-        Err(e) => {
-            tracing::warn!(
-                port,
-                error = %e,
-                "cannot listen on [::]; the {what} serves IPv4 only"
-            );
-            tokio::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, port)).await
-        }
-    }
-}
-
-/// A listener on `[::]:port` that also accepts IPv4 (mapped) connections.
-fn bind_dual_stack(port: u16) -> std::io::Result<tokio::net::TcpListener> {
-    use nix::sys::socket::{setsockopt, sockopt};
-    let sock = tokio::net::TcpSocket::new_v6()?;
-    setsockopt(&sock, sockopt::Ipv6V6Only, &false).map_err(std::io::Error::from)?;
-    sock.set_reuseaddr(true)?;
-    sock.bind((std::net::Ipv6Addr::UNSPECIFIED, port).into())?;
-    sock.listen(1024)
-}
-
 /// Runs an elastic job to its end.
 ///
 /// # Errors
@@ -349,7 +320,7 @@ fn bind_dual_stack(port: u16) -> std::io::Result<tokio::net::TcpListener> {
 pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     let secret = new_secret()?;
     // Dual-stack, so that workers reach it in IPv6-only clusters too.
-    let listener = bind_any(0, "rendezvous").await?;
+    let listener = crate::net::bind_any(0, "rendezvous").await?;
     let port = listener.local_addr()?.port();
     tracing::debug!(port, "rendezvous listening");
     let (wire_tx, mut wire_rx) = mpsc::channel::<Wire>(256);
@@ -366,7 +337,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     });
     let status_server = match spec.status_port {
         Some(port) => {
-            let listener = bind_any(port, "status endpoint")
+            let listener = crate::net::bind_any(port, "status endpoint")
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot serve --status-port {port}: {e}"))?;
             tracing::info!(addr = %listener.local_addr()?, "status endpoint listening on GET /status");
@@ -463,51 +434,4 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             message: "the job ended without a result".into(),
         }),
     })
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    /// Whether this host can use IPv6 loopback at all.
-    fn has_ipv6() -> bool {
-        std::net::TcpListener::bind("[::1]:0").is_ok()
-    }
-
-    #[tokio::test]
-    async fn the_status_listener_takes_ipv4_and_ipv6_clients() {
-        let listener = bind_any(0, "status endpoint").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        assert!(addr.ip().is_unspecified(), "{addr}");
-        let port = addr.port();
-        let accepts = tokio::spawn(async move {
-            for _ in 0..2 {
-                listener.accept().await.unwrap();
-            }
-        });
-        tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .unwrap();
-        if has_ipv6() {
-            assert!(addr.is_ipv6(), "IPv6 is available but {addr} is IPv4 only");
-            tokio::net::TcpStream::connect(("::1", port)).await.unwrap();
-        } else {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .unwrap();
-        }
-        tokio::time::timeout(Duration::from_secs(5), accepts)
-            .await
-            .unwrap()
-            .unwrap();
-    }
-
-    #[tokio::test]
-    async fn a_port_in_use_is_an_error_not_a_fallback() {
-        let first = bind_any(0, "status endpoint").await.unwrap();
-        let port = first.local_addr().unwrap().port();
-        let err = bind_any(port, "status endpoint").await.unwrap_err();
-        assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{err}");
-    }
 }
