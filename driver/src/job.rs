@@ -411,7 +411,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
     let secret = new_secret()?;
     let listener = match &spec.rendezvous_bind {
         Some(addr) => tokio::net::TcpListener::bind((addr.as_str(), 0)).await?,
-        None => crate::net::bind_any(0, "rendezvous").await?,
+        None => hvd_serve::bind_any(0, "rendezvous").await?,
     };
     let rendezvous = format!("{}:{}", spec.rendezvous_host, listener.local_addr()?.port());
     tracing::debug!(%rendezvous, "rendezvous listening");

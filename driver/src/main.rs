@@ -5,7 +5,6 @@ mod cli;
 mod elastic;
 mod hosts;
 mod job;
-mod net;
 mod rendezvous;
 mod status;
 

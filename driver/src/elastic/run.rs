@@ -320,7 +320,7 @@ async fn poll(source: Source, interval: Duration, tx: mpsc::Sender<Input>) {
 pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     let secret = new_secret()?;
     // Dual-stack, so that workers reach it in IPv6-only clusters too.
-    let listener = crate::net::bind_any(0, "rendezvous").await?;
+    let listener = hvd_serve::bind_any(0, "rendezvous").await?;
     let port = listener.local_addr()?.port();
     tracing::debug!(port, "rendezvous listening");
     let (wire_tx, mut wire_rx) = mpsc::channel::<Wire>(256);
@@ -337,7 +337,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     });
     let status_server = match spec.status_port {
         Some(port) => {
-            let listener = crate::net::bind_any(port, "status endpoint")
+            let listener = hvd_serve::bind_any(port, "status endpoint")
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot serve --status-port {port}: {e}"))?;
             tracing::info!(addr = %listener.local_addr()?, "status endpoint listening on GET /status");
