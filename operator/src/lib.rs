@@ -8,12 +8,14 @@
 //! - [`driver_status`]: the driver's `GET /status` report and a minimal client for it.
 //! - [`reconcile`]: the kube-rs controller that observes, plans, applies and reports.
 //! - [`leader`]: running the controller only while holding the Lease.
+//! - [`probes`]: the `/healthz` and `/readyz` answers.
 
 pub mod crd;
 pub mod driver_status;
 mod error;
 pub mod leader;
 pub mod plan;
+pub mod probes;
 pub mod reconcile;
 pub mod resources;
 

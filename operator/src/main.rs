@@ -1,7 +1,9 @@
 //! `hvd-operator`: reconciles `ElasticJob`s into driver and worker pods.
 //!
-//! `hvd-operator [--namespace NS] [--leader-elect --lease-name NAME --lease-namespace NS]`;
-//! `RUST_LOG` sets the log level. SIGTERM or SIGINT stops it gracefully.
+//! `hvd-operator [--namespace NS] [--leader-elect --lease-name NAME --lease-namespace NS]
+//! [--probe-port PORT]`; `RUST_LOG` sets the log level. SIGTERM or SIGINT stops it gracefully.
+//! `GET /healthz` and `GET /readyz` on the probe port (8081; 0 turns them off) are for the
+//! kubelet.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -9,6 +11,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use hvd_operator::leader::{Leadership, lead};
+use hvd_operator::probes::Health;
 use hvd_operator::reconcile::{Context, run};
 use kube::Client;
 use kube_lease_manager::LeaseManagerBuilder;
@@ -43,6 +46,10 @@ struct Cli {
     /// This instance's identity as a Lease holder and Event reporter (default: POD_NAME).
     #[arg(long, value_name = "ID", env = "POD_NAME")]
     identity: Option<String>,
+    /// Port of `GET /healthz` (liveness) and `GET /readyz` (readiness: the Kubernetes API
+    /// answered), on every interface; 0 serves neither.
+    #[arg(long, value_name = "PORT", default_value_t = 8081)]
+    probe_port: u16,
 }
 
 /// Resolves when SIGTERM or SIGINT arrives (or the handlers cannot be installed).
@@ -117,14 +124,35 @@ fn main() -> ExitCode {
 
 /// Runs the controller, under leader election when asked, until SIGTERM or SIGINT.
 async fn operate(cli: Cli) -> anyhow::Result<()> {
+    let health = Health::new();
+    if cli.probe_port != 0 {
+        let listener = hvd_serve::bind_any(cli.probe_port, "probe endpoint")
+            .await
+            .with_context(|| format!("cannot listen on --probe-port {}", cli.probe_port))?;
+        tracing::info!(port = cli.probe_port, "probes at /healthz and /readyz");
+        let h = health.clone();
+        tokio::spawn(hvd_serve::serve(
+            listener,
+            "probe endpoint",
+            move |path: &str| h.answer(path),
+        ));
+    }
     let client = Client::try_default()
         .await
         .context("cannot reach the Kubernetes API (no in-cluster config or kubeconfig)")?;
+    let version = client
+        .apiserver_version()
+        .await
+        .context("the Kubernetes API does not answer")?;
+    tracing::info!(version = %version.git_version, "Kubernetes API reached");
+    health.ready();
     let ctx = Context::new(client.clone(), cli.identity.clone());
 
     let (stop_tx, stop_rx) = watch::channel(false);
+    let h = health.clone();
     tokio::spawn(async move {
         terminated().await;
+        h.stopping();
         let _ = stop_tx.send(true);
     });
     let stopped = |mut rx: watch::Receiver<bool>| async move {

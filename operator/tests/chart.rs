@@ -654,6 +654,13 @@ fn kubernetes_validate(file: &Path, version: &str) -> String {
     report
 }
 
+/// The value after `flag` in the operator's arguments.
+fn arg_after(r: &Rendered, flag: &str) -> Option<String> {
+    let args = deployment_args(r);
+    let at = args.iter().position(|a| a == flag)?;
+    args.get(at + 1).cloned()
+}
+
 fn deployment_args(r: &Rendered) -> Vec<String> {
     r.objects
         .get("Deployment", "hvd")
@@ -687,6 +694,8 @@ fn schema_rejects_bad_values_naming_the_field() {
         ("replica: 2\n", "'replica' not allowed"),
         ("watchNamespace: Team_A\n", "at '/watchNamespace'"),
         ("logLevel: loud\n", "at '/logLevel'"),
+        ("probes:\n  port: 70000\n", "at '/probes/port'"),
+        ("probes:\n  path: /ping\n", "'path' not allowed"),
         (
             "leaderElection:\n  enabled: \"yes\"\n",
             "at '/leaderElection/enabled'",
@@ -813,12 +822,7 @@ fn namespaced_install_uses_a_role_in_the_watched_namespace() {
             (".subjects[0].namespace", RELEASE_NAMESPACE),
         ],
     );
-    let args = deployment_args(&r);
-    let at = args
-        .iter()
-        .position(|a| a == "--namespace")
-        .expect("--namespace");
-    assert_eq!(args.get(at + 1).map(String::as_str), Some("team-a"));
+    assert_eq!(arg_after(&r, "--namespace").as_deref(), Some("team-a"));
     // The Lease stays in the operator's own namespace.
     let lease = o.get("Role", "hvd-leader-election");
     assert_eq!(lease.namespace().as_deref(), Some(RELEASE_NAMESPACE));
@@ -831,14 +835,9 @@ fn leader_election_follows_replicas_and_values() {
     assert_eq!(deployment.json(".spec.replicas"), Some("3"));
     let args = deployment_args(&r);
     assert!(args.iter().any(|a| a == "--leader-elect"), "{args:?}");
-    let at = args
-        .iter()
-        .position(|a| a == "--lease-name")
-        .expect("--lease-name");
-    assert_eq!(args.get(at + 1).map(String::as_str), Some("hvd"));
-    let at = args.iter().position(|a| a == "--lease-namespace").unwrap();
+    assert_eq!(arg_after(&r, "--lease-name").as_deref(), Some("hvd"));
     assert_eq!(
-        args.get(at + 1).map(String::as_str),
+        arg_after(&r, "--lease-namespace").as_deref(),
         Some(RELEASE_NAMESPACE)
     );
     let lease = r.objects.get("Role", "hvd-leader-election");
@@ -918,6 +917,25 @@ fn deployment_reflects_the_values() {
             (".priorityClassName", "ml-platform-high"),
         ],
     );
+    // The kubelet probes the operator on its probe port, which the operator is told.
+    d.assert_strs(
+        spec,
+        &[
+            (".containers[0].ports[0].name", "probes"),
+            (".containers[0].livenessProbe.httpGet.path", "/healthz"),
+            (".containers[0].livenessProbe.httpGet.port", "probes"),
+            (".containers[0].readinessProbe.httpGet.path", "/readyz"),
+            (".containers[0].readinessProbe.httpGet.port", "probes"),
+        ],
+    );
+    d.assert_json(spec, &[(".containers[0].ports[0].containerPort", "8081")]);
+    assert_eq!(arg_after(&r, "--probe-port").as_deref(), Some("8081"));
+    let moved = render(&["--set", "probes.port=9440"]);
+    assert_eq!(arg_after(&moved, "--probe-port").as_deref(), Some("9440"));
+    moved
+        .objects
+        .get("Deployment", "hvd")
+        .assert_json(spec, &[(".containers[0].ports[0].containerPort", "9440")]);
     let anti = ".affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution";
     d.assert_json(spec, &[(&format!("{anti}[0].weight"), "100")]);
     r.objects.get("ServiceAccount", "hvd-operator").assert_strs(
