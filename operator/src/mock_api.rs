@@ -369,6 +369,48 @@ async fn rescale_up_creates_workers() {
     .await;
 }
 
+/// A running job whose image was edited: the worker it adds is made from the image the job
+/// started with, and the status says the edit is not applied, naming it.
+#[tokio::test]
+async fn edited_job_keeps_making_pods_from_its_started_spec() {
+    let (_fake, ctx, server) = running_job(driver_report(&[])).await;
+    let started = with_finalizer(job("train", 1, 3));
+    let mut j = started.clone();
+    j.spec.image = "hvd:next".into();
+    j.spec.replicas = Some(2);
+    let pods = vec![
+        driver(&started, "127.0.0.1"),
+        worker(&started, 0, "10.0.0.1"),
+    ];
+    run_scenario(j, ctx, server, |mut s| async move {
+        s.expect_pod_list("train", &pods).await;
+        s.expect_shared("train").await;
+        let pod = s
+            .expect_apply("/api/v1/namespaces/ml/pods/train-worker-1")
+            .await;
+        assert_eq!(pod["spec"]["containers"][0]["image"], "hvd:test", "{pod}");
+        s.expect_event("CreatedWorker").await;
+        let status = s.expect_status_patch("train").await;
+        let applied = status["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "SpecApplied")
+            .cloned()
+            .unwrap();
+        assert_eq!(applied["status"], "False", "{applied}");
+        assert_eq!(applied["reason"], "ChangedWhileRunning", "{applied}");
+        assert!(
+            applied["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("spec.image changed"),
+            "{applied}"
+        );
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn failed_worker_is_deleted_and_replaced() {
     let (_fake, ctx, server) = running_job(driver_report(&[])).await;

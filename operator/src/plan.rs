@@ -326,8 +326,9 @@ fn condition(
 /// - `workers`: Ready, live worker pods. `round`, `resets`, `blacklisted`: from the driver, else
 ///   kept from the last status. `blacklistSeen`: each of the driver's entries with the time it
 ///   was first seen (`now` for a new one).
-/// - Conditions `Ready` (phase is Running) and `DriverReachable`; a condition keeps its
-///   transition time while its status holds.
+/// - Conditions `Ready` (phase is Running), `DriverReachable` and `SpecApplied` (False, naming
+///   the fields, while the spec differs from the one the running job's pods are made from);
+///   a condition keeps its transition time while its status holds.
 pub fn status(
     job: &ElasticJob,
     pods: &[Pod],
@@ -339,6 +340,9 @@ pub fn status(
     let Ok(names) = Names::of(job) else {
         return prev;
     };
+    let started = crate::resources::as_started(job, pods);
+    let changed = crate::resources::changed_fields(job, &started);
+    let job = &started;
     let workers = workers(job, &names, pods);
     let ready = workers
         .iter()
@@ -393,6 +397,33 @@ pub fn status(
             generation,
             now,
         ),
+        if changed.is_empty() {
+            condition(
+                &prev.conditions,
+                "SpecApplied",
+                true,
+                "Current",
+                "the job's pods are made from its current spec".into(),
+                generation,
+                now,
+            )
+        } else {
+            let fields: Vec<String> = changed.iter().map(|f| format!("spec.{f}")).collect();
+            condition(
+                &prev.conditions,
+                "SpecApplied",
+                false,
+                "ChangedWhileRunning",
+                format!(
+                    "{} changed after the job started; its pods keep being made from the spec \
+                     it started with (only spec.replicas applies to a running job): delete and \
+                     recreate the job to apply the change",
+                    fields.join(", ")
+                ),
+                generation,
+                now,
+            )
+        },
     ];
     ElasticJobStatus {
         phase,
@@ -830,5 +861,50 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    /// An edit of a running job's spec is reported, naming the fields, and does not change what
+    /// the job's pods are made from: a scale-up beyond the old bounds is clamped to them.
+    #[test]
+    fn a_spec_edited_while_running_is_reported_and_not_applied() {
+        let j = job("t", 1, 2);
+        let pods = [
+            driver(&j, "10.0.0.100"),
+            worker(&j, 0, "10.0.0.1"),
+            worker(&j, 1, "10.0.0.2"),
+        ];
+        let spec_applied = |job: &ElasticJob| {
+            let s = status(job, &pods, Some(&st(&[])), &[], &now());
+            let c = s.conditions.into_iter().find(|c| c.type_ == "SpecApplied");
+            (s.phase, c.unwrap())
+        };
+        let (_, applied) = spec_applied(&j);
+        assert_eq!(
+            (applied.status.as_str(), applied.reason.as_str()),
+            ("True", "Current")
+        );
+
+        let mut edited = j.clone();
+        edited.spec.image = "hvd:next".into();
+        edited.spec.max_replicas = 5;
+        edited.spec.replicas = Some(4);
+        edited.spec.env.clear();
+        let (phase, applied) = spec_applied(&edited);
+        assert_eq!(
+            (applied.status.as_str(), applied.reason.as_str()),
+            ("False", "ChangedWhileRunning")
+        );
+        assert!(
+            applied.message.starts_with(
+                "spec.image, spec.maxReplicas, spec.env changed after the job started"
+            ),
+            "{}",
+            applied.message
+        );
+        // The job started with at most 2 workers: replicas 4 is clamped to them, so the job
+        // is steady and nothing is created.
+        let started = crate::resources::as_started(&edited, &pods);
+        assert!(plan(&started, &pods, Some(&st(&[]))).is_empty());
+        assert_eq!(phase, Phase::Running);
     }
 }

@@ -165,9 +165,11 @@ async fn apply(job: Arc<ElasticJob>, ctx: Arc<Context>) -> Result<Requeue, Error
         },
         None => None,
     };
-    let actions = plan(&job, &pods, driver.as_ref());
+    // Pods are made from the spec the job started with; a later edit waits for a new job.
+    let started = resources::as_started(&job, &pods);
+    let actions = plan(&started, &pods, driver.as_ref());
     for action in &actions {
-        execute(&job, &names, &ctx, action).await?;
+        execute(&started, &names, &ctx, action).await?;
     }
     write_status(&job, &names, &ctx, &pods, driver.as_ref(), &actions, &now).await?;
     let done = job.status.as_ref().is_some_and(|s| s.phase.is_terminal());

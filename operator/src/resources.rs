@@ -435,15 +435,78 @@ pub fn driver_command(job: &ElasticJob) -> Result<Vec<String>, Error> {
     Ok(cmd)
 }
 
+/// Annotation on the driver pod: the job's spec as its pods are made from it (every field but
+/// `replicas`), in JSON. A running job keeps making worker pods from it, so that a later edit of
+/// the spec never mixes images or settings within one job.
+pub const ANNOTATION_SPEC: &str = "hvd.dev/spec";
+
+/// The spec fields that shape a job's pods, by name, for [`changed_fields`].
+const SHAPING: [&str; 9] = [
+    "image",
+    "command",
+    "minReplicas",
+    "maxReplicas",
+    "slotsPerWorker",
+    "resources",
+    "env",
+    "discovery",
+    "blacklist",
+];
+
+/// The spec a running job's pods are made from: the one recorded on its driver pod
+/// ([`ANNOTATION_SPEC`]) with the current `replicas`, or the job's own spec when there is no
+/// driver pod of this job, or it has no readable record (made by an older operator).
+pub fn as_started(job: &ElasticJob, pods: &[Pod]) -> ElasticJob {
+    let mut started = job.clone();
+    let Ok(names) = Names::of(job) else {
+        return started;
+    };
+    let recorded = pods
+        .iter()
+        .filter(|p| crate::plan::owned_by(job, p))
+        .find(|p| p.metadata.name.as_deref() == Some(names.driver().as_str()))
+        .and_then(|p| p.metadata.annotations.as_ref()?.get(ANNOTATION_SPEC))
+        .and_then(|text| serde_json::from_str::<crate::crd::ElasticJobSpec>(text).ok());
+    if let Some(mut spec) = recorded {
+        spec.replicas = job.spec.replicas;
+        started.spec = spec;
+    }
+    started
+}
+
+/// The spec fields (by their names in the CRD) in which `now` differs from `started`;
+/// `replicas` is never one of them.
+pub fn changed_fields(now: &ElasticJob, started: &ElasticJob) -> Vec<&'static str> {
+    let (Ok(a), Ok(b)) = (
+        serde_json::to_value(&now.spec),
+        serde_json::to_value(&started.spec),
+    ) else {
+        return Vec::new();
+    };
+    SHAPING
+        .into_iter()
+        .filter(|f| a.get(f) != b.get(f))
+        .collect()
+}
+
 /// The driver pod: `horovodrun` with Kubernetes discovery of the job's workers, under the
 /// driver ServiceAccount (which may only read pods). It never restarts: its exit code is the job's.
+/// It records the spec it was made from ([`ANNOTATION_SPEC`]).
 ///
 /// # Errors
-/// [`Error::MissingField`] when the job lacks a name, namespace or uid.
+/// [`Error::MissingField`] when the job lacks a name, namespace or uid; [`Error::Json`] when
+/// the spec cannot be recorded.
 pub fn driver_pod(job: &ElasticJob) -> Result<Pod, Error> {
     let names = Names::of(job)?;
+    let mut metadata = meta(job, &names, names.driver(), Some(ROLE_DRIVER))?;
+    let mut recorded = job.spec.clone();
+    recorded.replicas = None;
+    metadata.annotations = Some(BTreeMap::from([(
+        ANNOTATION_SPEC.to_string(),
+        serde_json::to_string(&recorded)?,
+    )]));
     Ok(Pod {
-        metadata: meta(job, &names, names.driver(), Some(ROLE_DRIVER))?,
+        metadata,
         spec: Some(PodSpec {
             service_account_name: Some(names.driver()),
             restart_policy: Some("Never".into()),
@@ -482,6 +545,49 @@ mod tests {
             n.worker_dns("train-worker-0"),
             "train-worker-0.train-workers.ml.svc"
         );
+    }
+
+    #[test]
+    fn driver_pod_records_the_spec_its_job_started_with() {
+        let mut j = job("train", 2, 4);
+        j.spec.replicas = Some(3);
+        let d = driver_pod(&j).unwrap();
+        let text = &d.metadata.annotations.as_ref().unwrap()[ANNOTATION_SPEC];
+        let recorded: crate::crd::ElasticJobSpec = serde_json::from_str(text).unwrap();
+        assert_eq!(recorded.replicas, None, "replicas is never recorded");
+        assert_eq!(recorded.image, j.spec.image);
+
+        // Later edits: the job keeps its started spec, with the current replicas.
+        let mut edited = j.clone();
+        edited.spec.image = "hvd:next".into();
+        edited.spec.replicas = Some(2);
+        edited.spec.resources = Some(Default::default());
+        let started = as_started(&edited, std::slice::from_ref(&d));
+        assert_eq!(started.spec.image, "hvd:test");
+        assert_eq!(started.spec.replicas, Some(2));
+        assert_eq!(started.spec.resources, None);
+        assert_eq!(changed_fields(&edited, &started), ["image", "resources"]);
+        assert!(changed_fields(&j, &as_started(&j, std::slice::from_ref(&d))).is_empty());
+        assert_eq!(
+            worker_pod(&started, 0).unwrap().spec.unwrap().containers[0]
+                .image
+                .as_deref(),
+            Some("hvd:test")
+        );
+
+        // No driver pod, another job's, or an unreadable record: the job's own spec.
+        assert_eq!(as_started(&edited, &[]).spec.image, "hvd:next");
+        let mut foreign = d.clone();
+        foreign.metadata.owner_references.as_mut().unwrap()[0].uid = "uid-old".into();
+        assert_eq!(as_started(&edited, &[foreign]).spec.image, "hvd:next");
+        let mut garbled = d;
+        garbled
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(ANNOTATION_SPEC.into(), "{not json".into());
+        assert_eq!(as_started(&edited, &[garbled]).spec.image, "hvd:next");
     }
 
     #[test]
