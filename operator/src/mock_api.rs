@@ -503,6 +503,15 @@ async fn recreated_job_waits_for_the_deleted_jobs_driver_pod() {
             status["phase"], "Pending",
             "the old driver's end is not this job's"
         );
+        let ready = &status["conditions"][0];
+        assert_eq!(ready["reason"], "DriverNameTaken", "{ready}");
+        assert!(
+            ready["message"]
+                .as_str()
+                .unwrap()
+                .contains("waiting for pod train-driver of a deleted ElasticJob"),
+            "{ready}"
+        );
     })
     .await;
 }

@@ -378,13 +378,44 @@ pub fn status(
             "the driver's status endpoint did not answer".to_string(),
         ),
     };
+    // A pod of another job (a deleted one of the same name, being removed or orphaned with
+    // `--cascade=orphan`) holding the driver's name keeps this job from starting.
+    let squatter = driver_pod(job, &names, pods)
+        .is_none()
+        .then(|| {
+            pods.iter()
+                .filter(|p| !owned_by(job, p))
+                .find(|p| p.metadata.name.as_deref() == Some(names.driver().as_str()))
+        })
+        .flatten();
+    let (ready_reason, ready_msg) = match squatter {
+        Some(p) if p.metadata.deletion_timestamp.is_none() => (
+            "DriverNameTaken".to_string(),
+            format!(
+                "pod {} belongs to another job (a deleted ElasticJob of this name, whose pods \
+                 were orphaned) and is not being deleted: delete it to let this job start",
+                names.driver()
+            ),
+        ),
+        Some(_) => (
+            "DriverNameTaken".to_string(),
+            format!(
+                "waiting for pod {} of a deleted ElasticJob of this name to go away",
+                names.driver()
+            ),
+        ),
+        None => (
+            format!("{phase:?}"),
+            format!("{ready} of {desired} workers ready"),
+        ),
+    };
     let conditions = vec![
         condition(
             &prev.conditions,
             "Ready",
             phase == Phase::Running,
-            &format!("{phase:?}"),
-            format!("{ready} of {desired} workers ready"),
+            &ready_reason,
+            ready_msg,
             generation,
             now,
         ),
@@ -906,5 +937,38 @@ mod tests {
         let started = crate::resources::as_started(&edited, &pods);
         assert!(plan(&started, &pods, Some(&st(&[]))).is_empty());
         assert_eq!(phase, Phase::Running);
+    }
+
+    /// A pod of a deleted job of the same name holding the driver's name is named in the Ready
+    /// condition: as going away while it is deleted, as needing a delete when orphaned.
+    #[test]
+    fn a_pod_holding_the_drivers_name_is_named() {
+        let j = job("t", 1, 1);
+        let mut old = driver(&j, "10.0.0.100");
+        for r in old.metadata.owner_references.as_mut().unwrap() {
+            r.uid = "uid-deleted".into();
+        }
+        let ready = |pods: &[Pod]| {
+            let s = status(&j, pods, None, &[], &now());
+            s.conditions
+                .into_iter()
+                .find(|c| c.type_ == "Ready")
+                .unwrap()
+        };
+        let orphaned = ready(std::slice::from_ref(&old));
+        assert_eq!(orphaned.reason, "DriverNameTaken");
+        assert!(
+            orphaned.message.contains("is not being deleted: delete it"),
+            "{}",
+            orphaned.message
+        );
+        assert!(plan(&j, std::slice::from_ref(&old), None).is_empty());
+        let going = ready(&[deleting(old)]);
+        assert!(
+            going.message.starts_with("waiting for pod t-driver"),
+            "{}",
+            going.message
+        );
+        assert_eq!(ready(&[]).reason, "Pending");
     }
 }
