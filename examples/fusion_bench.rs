@@ -10,8 +10,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use clap::Parser;
-use hvd::ReduceOp;
+use clap::{Parser, ValueEnum};
+use hvd::{Buffer, Engine, HugeBuffer, ReduceOp};
 
 #[derive(Parser)]
 struct Args {
@@ -33,6 +33,17 @@ struct Args {
     /// Fusion buffer in MiB, 0 disables fusion (default: `HOROVOD_FUSION_THRESHOLD`, else 128).
     #[arg(long)]
     fusion_mb: Option<usize>,
+    /// Tensors as `Vec`s from the process allocator, or `hvd::HugeBuffer`s (huge pages from
+    /// 2 MiB on, as PyTorch's `THP_MEM_ALLOC_ENABLE=1` gives them).
+    #[arg(long, value_enum, default_value = "malloc")]
+    alloc: Alloc,
+}
+
+/// Where the tensors come from.
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum Alloc {
+    Malloc,
+    Huge,
 }
 
 /// Tensor lengths between 16 Ki and 1 Mi elements (64 KiB to 4 MiB of f32), log-spread and
@@ -62,36 +73,23 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    hvd::init().context("hvd::init")?;
-    let (rank, size) = (hvd::rank()?, hvd::size()?);
-    let lens = sizes(args.tensors, args.elems);
-    let mut one = vec![1.0f32; args.elems];
-    let mut single = Vec::new();
-    for i in 0..=args.iters {
-        one.fill(1.0);
-        hvd::barrier()?;
-        let t = Instant::now();
-        hvd::allreduce(&mut one, ReduceOp::Sum)?;
-        if i > 0 {
-            single.push(t.elapsed());
-        }
-    }
-    let mut cfg = hvd::engine_config()?;
-    if let Some(ms) = args.cycle_ms {
-        cfg.cycle = Duration::from_secs_f64(ms / 1000.0);
-    }
-    if let Some(mb) = args.fusion_mb {
-        cfg.fusion_bytes = mb << 20;
-    }
-    let (cycle_ms, fusion_mb) = (cfg.cycle.as_secs_f64() * 1e3, cfg.fusion_bytes >> 20);
-    let engine = hvd::start_engine(cfg)?;
+/// Times `iters` bursts (after one untimed) of tensors of `lens` made by `make`, checking
+/// every sum over `size` ranks.
+fn bursts<B: Buffer<Elem = f32>>(
+    engine: &Engine,
+    iters: usize,
+    size: usize,
+    lens: &[usize],
+    make: impl Fn(usize) -> anyhow::Result<B>,
+) -> anyhow::Result<Vec<Duration>> {
     let mut burst = Vec::new();
     // The gradients live across steps, as a training loop's do: each step hands the engine
     // the buffers it gave back the step before, refilled.
-    let mut tensors: Vec<Vec<f32>> = lens.iter().map(|&n| vec![1.0f32; n]).collect();
-    for i in 0..=args.iters {
+    let mut tensors: Vec<B> = lens
+        .iter()
+        .map(|&n| make(n))
+        .collect::<anyhow::Result<_>>()?;
+    for i in 0..=iters {
         tensors.iter_mut().for_each(|t| t.fill(1.0));
         // Everyone starts together: a barrier through the engine itself.
         engine
@@ -111,13 +109,50 @@ fn main() -> anyhow::Result<()> {
             .collect::<Result<Vec<_>, _>>()?;
         let took = t.elapsed();
         anyhow::ensure!(
-            tensors.iter().flatten().all(|&x| x == size as f32),
+            tensors.iter().all(|t| t.iter().all(|&x| x == size as f32)),
             "wrong sum"
         );
         if i > 0 {
             burst.push(took);
         }
     }
+    Ok(burst)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    hvd::init().context("hvd::init")?;
+    let (rank, size) = (hvd::rank()?, hvd::size()?);
+    let lens = sizes(args.tensors, args.elems);
+    let mut one: Box<dyn std::ops::DerefMut<Target = [f32]>> = match args.alloc {
+        Alloc::Malloc => Box::new(vec![1.0f32; args.elems]),
+        Alloc::Huge => Box::new(HugeBuffer::<f32>::zeroed(args.elems)?),
+    };
+    let mut single = Vec::new();
+    for i in 0..=args.iters {
+        one.fill(1.0);
+        hvd::barrier()?;
+        let t = Instant::now();
+        hvd::allreduce(&mut one[..], ReduceOp::Sum)?;
+        if i > 0 {
+            single.push(t.elapsed());
+        }
+    }
+    let mut cfg = hvd::engine_config()?;
+    if let Some(ms) = args.cycle_ms {
+        cfg.cycle = Duration::from_secs_f64(ms / 1000.0);
+    }
+    if let Some(mb) = args.fusion_mb {
+        cfg.fusion_bytes = mb << 20;
+    }
+    let (cycle_ms, fusion_mb) = (cfg.cycle.as_secs_f64() * 1e3, cfg.fusion_bytes >> 20);
+    let engine = hvd::start_engine(cfg)?;
+    let burst = match args.alloc {
+        Alloc::Malloc => bursts(&engine, args.iters, size, &lens, |n| Ok(vec![1.0f32; n]))?,
+        Alloc::Huge => bursts(&engine, args.iters, size, &lens, |n| {
+            Ok(HugeBuffer::<f32>::zeroed(n)?)
+        })?,
+    };
     let idle = if args.idle_secs > 0.0 {
         let before = cpu_ns();
         std::thread::sleep(Duration::from_secs_f64(args.idle_secs));

@@ -17,19 +17,30 @@ use memmap2::{Advice, MmapMut};
 /// The transparent huge page size on x86-64 and most aarch64 kernels.
 const HUGE_PAGE: usize = 2 << 20;
 
-/// A zero-initialised slice of `T` in its own anonymous mapping, advised to the kernel as
-/// huge-page memory before its first touch. It dereferences to `[T]`, so collectives take it
-/// wherever they take a slice. Where huge pages are off (`never`) it is ordinary memory.
+/// Where a buffer's elements live.
+enum Store<T> {
+    /// Its own mapping, advised as huge pages.
+    Mapped(MmapMut),
+    /// The process heap: below a huge page a mapping of its own gains nothing.
+    Heap(Vec<T>),
+}
+
+/// A zero-initialised slice of `T`; from 2 MiB on, in its own anonymous mapping advised to the
+/// kernel as huge-page memory before its first touch. It dereferences to `[T]`, so collectives
+/// take it wherever they take a slice, and the engine takes it as a tensor ([`crate::Buffer`]).
+/// Where huge pages are off (`never`) it is ordinary memory.
 pub struct HugeBuffer<T: bytemuck::Pod> {
-    map: MmapMut,
+    store: Store<T>,
     len: usize,
     huge: bool,
     _elem: PhantomData<T>,
 }
 
 impl<T: bytemuck::Pod> HugeBuffer<T> {
-    /// A buffer of `len` zeroed elements. The mapping is rounded up to whole huge pages; the
-    /// error is the `mmap` failure (or a length whose byte size overflows).
+    /// A buffer of `len` zeroed elements. From 2 MiB on, the mapping is rounded up to whole
+    /// huge pages and advised; a smaller buffer could not hold an aligned huge page, so it
+    /// lives on the heap. The error is the `mmap` failure (or a length whose byte size
+    /// overflows).
     pub fn zeroed(len: usize) -> io::Result<Self> {
         let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
             io::Error::new(
@@ -37,21 +48,26 @@ impl<T: bytemuck::Pod> HugeBuffer<T> {
                 format!("a buffer of {len} elements overflows the address space"),
             )
         })?;
-        let mapped = bytes
-            .max(1)
-            .checked_next_multiple_of(HUGE_PAGE)
-            .ok_or_else(|| {
-                io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("a buffer of {bytes} bytes overflows the address space"),
-                )
-            })?;
+        if bytes < HUGE_PAGE {
+            return Ok(Self {
+                store: Store::Heap(vec![T::zeroed(); len]),
+                len,
+                huge: false,
+                _elem: PhantomData,
+            });
+        }
+        let mapped = bytes.checked_next_multiple_of(HUGE_PAGE).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a buffer of {bytes} bytes overflows the address space"),
+            )
+        })?;
         let map = MmapMut::map_anon(mapped)?;
         // Before the first touch, so the first faults already allocate huge pages. A kernel
         // without transparent huge pages refuses the advice; the memory is still good.
         let huge = map.advise(Advice::HugePage).is_ok();
         Ok(Self {
-            map,
+            store: Store::Mapped(map),
             len,
             huge,
             _elem: PhantomData,
@@ -65,8 +81,9 @@ impl<T: bytemuck::Pod> HugeBuffer<T> {
         Ok(b)
     }
 
-    /// Whether the kernel took the huge-page advice (it may still fall back to small pages
-    /// when it has no free huge page at fault time).
+    /// Whether the buffer was advised as huge pages and the kernel took the advice (it may
+    /// still fall back to small pages when it has no free huge page at fault time). Buffers
+    /// under 2 MiB are never advised.
     pub fn advised(&self) -> bool {
         self.huge
     }
@@ -77,14 +94,20 @@ impl<T: bytemuck::Pod> Deref for HugeBuffer<T> {
 
     fn deref(&self) -> &[T] {
         let bytes = self.len * std::mem::size_of::<T>();
-        bytemuck::cast_slice(&self.map[..bytes])
+        match &self.store {
+            Store::Mapped(m) => bytemuck::cast_slice(&m[..bytes]),
+            Store::Heap(v) => v,
+        }
     }
 }
 
 impl<T: bytemuck::Pod> DerefMut for HugeBuffer<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         let bytes = self.len * std::mem::size_of::<T>();
-        bytemuck::cast_slice_mut(&mut self.map[..bytes])
+        match &mut self.store {
+            Store::Mapped(m) => bytemuck::cast_slice_mut(&mut m[..bytes]),
+            Store::Heap(v) => v,
+        }
     }
 }
 
@@ -115,9 +138,13 @@ mod tests {
     }
 
     #[test]
-    fn empty_and_copied_buffers() {
+    fn empty_small_and_copied_buffers() {
         let e = HugeBuffer::<u64>::zeroed(0).unwrap();
         assert!(e.is_empty());
+        // Below a huge page nothing is rounded up or advised.
+        let small = HugeBuffer::<u8>::zeroed(64 << 10).unwrap();
+        assert_eq!(small.len(), 64 << 10);
+        assert!(!small.advised());
         let c = HugeBuffer::from_slice(&[1u16, 2, 3]).unwrap();
         assert_eq!(&c[..], &[1, 2, 3]);
     }

@@ -70,24 +70,38 @@ trait Tensor: Send {
     /// Runs `coll` alone; returns what the handle gets.
     fn run(self: Box<Self>, comm: &mut Communicator, coll: &Coll) -> Result<Box<dyn Any + Send>>;
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
-    fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
-impl<T: Element> Tensor for Vec<T> {
+/// Storage the engine reduces in place and hands back through the op's [`Handle`]: a `Vec<T>`,
+/// or a [`crate::HugeBuffer<T>`], whose huge pages same-host transfers copy fastest.
+pub trait Buffer: std::ops::DerefMut<Target = [Self::Elem]> + Send + 'static {
+    /// The element type.
+    type Elem: Element;
+}
+
+impl<T: Element> Buffer for Vec<T> {
+    type Elem = T;
+}
+
+impl<T: Element> Buffer for crate::HugeBuffer<T> {
+    type Elem = T;
+}
+
+impl<B: Buffer> Tensor for B {
     fn dtype(&self) -> DType {
-        T::DTYPE
+        B::Elem::DTYPE
     }
     fn elems(&self) -> usize {
         self.len()
     }
     fn bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(self)
+        bytemuck::cast_slice(&self[..])
     }
     fn bytes_mut(&mut self) -> &mut [u8] {
-        bytemuck::cast_slice_mut(self)
+        bytemuck::cast_slice_mut(&mut self[..])
     }
     fn reduce(&mut self, comm: &mut Communicator, op: ReduceOp) -> Result<()> {
-        comm.allreduce(self, op)
+        comm.allreduce(&mut self[..], op)
     }
     fn run(
         mut self: Box<Self>,
@@ -96,22 +110,19 @@ impl<T: Element> Tensor for Vec<T> {
     ) -> Result<Box<dyn Any + Send>> {
         Ok(match coll {
             Coll::Allreduce(op) => {
-                comm.allreduce(&mut self, *op)?;
+                comm.allreduce(&mut self[..], *op)?;
                 self
             }
-            Coll::Reducescatter(op) => Box::new(comm.reducescatter(&self, *op)?),
+            Coll::Reducescatter(op) => Box::new(comm.reducescatter(&self[..], *op)?),
             Coll::Broadcast(root) => {
-                comm.broadcast(&mut self, *root)?;
+                comm.broadcast(&mut self[..], *root)?;
                 self
             }
-            Coll::Allgather(row_len) => Box::new(comm.allgather(&self, *row_len)?),
-            Coll::Alltoall(splits) => Box::new(comm.alltoall(&self, splits)?),
+            Coll::Allgather(row_len) => Box::new(comm.allgather(&self[..], *row_len)?),
+            Coll::Alltoall(splits) => Box::new(comm.alltoall(&self[..], splits)?),
         })
     }
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
-        self
-    }
-    fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }
 }
@@ -301,12 +312,12 @@ enum Command {
 }
 
 /// Submits `coll` of `tensor` on the engine behind `tx`.
-fn submit<T: Element, R: 'static>(
+fn submit<B: Buffer, R: 'static>(
     tx: &mpsc::Sender<Command>,
     name: &str,
-    tensor: Vec<T>,
+    tensor: B,
     coll: Coll,
-) -> Handle<T, R> {
+) -> Handle<B::Elem, R> {
     let (reply, rx) = mpsc::channel();
     let req = Request {
         name: name.to_string(),
@@ -328,13 +339,14 @@ pub struct Submitter {
 
 impl Submitter {
     /// Submits an allreduce of `tensor` named `name`; every rank must submit an op of that
-    /// name (in any order). Names must be unique among pending ops.
-    pub fn allreduce_async<T: Element>(
+    /// name (in any order). Names must be unique among pending ops. The handle gives the
+    /// tensor back, reduced: a `Vec<T>`, or a [`crate::HugeBuffer<T>`].
+    pub fn allreduce_async<B: Buffer>(
         &self,
         name: &str,
-        tensor: Vec<T>,
+        tensor: B,
         op: ReduceOp,
-    ) -> Handle<T> {
+    ) -> Handle<B::Elem, B> {
         submit(&self.tx, name, tensor, Coll::Allreduce(op))
     }
 
@@ -351,12 +363,12 @@ impl Submitter {
 
     /// Submits a broadcast of `tensor` from rank `root`; every rank passes a tensor of the
     /// same length and gets the root's.
-    pub fn broadcast_async<T: Element>(
+    pub fn broadcast_async<B: Buffer>(
         &self,
         name: &str,
-        tensor: Vec<T>,
+        tensor: B,
         root: usize,
-    ) -> Handle<T> {
+    ) -> Handle<B::Elem, B> {
         submit(&self.tx, name, tensor, Coll::Broadcast(root))
     }
 
@@ -1053,11 +1065,15 @@ fn group_in_place(
         op: ReduceOp,
         batch: &mut [Request],
     ) -> Result<()> {
+        // A batch holds one dtype, so every tensor's bytes are `T`s, aligned as `T`.
         let mut slices: Vec<&mut [T]> = batch
             .iter_mut()
-            .filter_map(|r| r.tensor.as_any_mut().downcast_mut::<Vec<T>>())
-            .map(Vec::as_mut_slice)
-            .collect();
+            .map(|r| bytemuck::try_cast_slice_mut::<u8, T>(r.tensor.bytes_mut()))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| CommError::InvalidArgument {
+                op: "allreduce",
+                detail: format!("a fused tensor is not a slice of {}: {e}", T::DTYPE),
+            })?;
         comm.grouped_allreduce(&mut slices, op)
     }
     by_dtype!(dtype, typed(comm, op, batch))

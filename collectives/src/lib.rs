@@ -46,7 +46,7 @@ pub use buffer::HugeBuffer;
 pub use comm::Communicator;
 pub use config::{CommConfig, MAX_STREAMS};
 pub use dtype::{DType, Element, ReduceOp};
-pub use engine::{Compression, Engine, EngineConfig, Handle, Submitter};
+pub use engine::{Buffer, Compression, Engine, EngineConfig, Handle, Submitter};
 pub use error::{CommError, Result};
 pub use half::{bf16, f16};
 pub use link::AbortHandle;

@@ -322,3 +322,42 @@ fn a_bad_op_fails_alone() {
         assert_eq!(good, vec![0, 1, 2]);
     }
 }
+
+/// `HugeBuffer`s go through the engine like `Vec`s, fused with them, on one host and over TCP,
+/// and come back as `HugeBuffer`s.
+#[test]
+fn huge_buffers_are_reduced_and_handed_back() {
+    use hvd_collectives::HugeBuffer;
+    for same_host in [true, false] {
+        let results = support::world_with(
+            3,
+            |cfg| cfg.same_host_copy = same_host,
+            |comm| {
+                let r = comm.rank();
+                let e = engine(comm, EngineConfig::default());
+                let mut big = HugeBuffer::<f32>::zeroed(3 << 20).unwrap(); // 12 MiB: advised
+                big.fill(r as f32 + 1.0);
+                let mut small = HugeBuffer::<i64>::zeroed(1000).unwrap();
+                small.fill(r as i64);
+                let a = e.allreduce_async("big", big, ReduceOp::Sum);
+                let b = e.allreduce_async("small", small, ReduceOp::Max);
+                let c = e.allreduce_async("vec", vec![2.0f32; 70_000], ReduceOp::Average);
+                let mut root = HugeBuffer::<u8>::zeroed(5).unwrap();
+                root.fill(if r == 1 { 9 } else { 0 });
+                let d = e.broadcast_async("bcast", root, 1);
+                let (big, small, v, root): (HugeBuffer<f32>, HugeBuffer<i64>, Vec<f32>, _) = (
+                    a.wait().unwrap(),
+                    b.wait().unwrap(),
+                    c.wait().unwrap(),
+                    d.wait().unwrap(),
+                );
+                big.iter().all(|&x| x == 6.0)
+                    && big.len() == 3 << 20
+                    && small.iter().all(|&x| x == 2)
+                    && v.iter().all(|&x| x == 2.0)
+                    && root[..] == [9; 5]
+            },
+        );
+        assert_eq!(results, vec![true; 3], "same host: {same_host}");
+    }
+}

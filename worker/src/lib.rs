@@ -35,8 +35,8 @@ use std::time::Duration;
 
 pub use error::{Error, Result};
 pub use hvd_collectives::{
-    AbortHandle, CommError, Communicator, Compression, DType, Element, Engine, EngineConfig,
-    Handle, HugeBuffer, ReduceOp, Submitter, Timeline, bf16, f16,
+    AbortHandle, Buffer, CommError, Communicator, Compression, DType, Element, Engine,
+    EngineConfig, Handle, HugeBuffer, ReduceOp, Submitter, Timeline, bf16, f16,
 };
 pub use hvd_rendezvous::Placement;
 pub use launch::{Env, Launch, ProcessEnv};
