@@ -570,22 +570,22 @@ fn hierarchical_allreduce_follows_placement_and_flags() {
     );
 }
 
-/// Workers ask glibc's and PyTorch's allocators for huge pages by default; `HVD_HUGE_PAGES=0`
-/// turns both off, and a variable the user set is left as it is.
+/// Workers ask glibc's malloc for huge pages by default; `HVD_HUGE_PAGES=0` or a
+/// `GLIBC_TUNABLES` of the user's leaves it alone, and PyTorch's switch is the user's.
 #[test]
 fn workers_get_huge_pages_unless_told_otherwise() {
     let probe = probe();
     let tunables = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=2097152";
     for (var, value, want_tunables, want_torch) in [
-        (None, "", Some(tunables), Some("1")),
+        (None, "", Some(tunables), None),
         (Some("HVD_HUGE_PAGES"), "0", None, None),
         (
             Some("GLIBC_TUNABLES"),
             "glibc.malloc.check=0",
             Some("glibc.malloc.check=0"),
-            Some("1"),
+            None,
         ),
-        (Some("THP_MEM_ALLOC_ENABLE"), "0", Some(tunables), Some("0")),
+        (Some("THP_MEM_ALLOC_ENABLE"), "1", Some(tunables), Some("1")),
     ] {
         let mut cmd = horovodrun();
         cmd.env_remove("GLIBC_TUNABLES")
