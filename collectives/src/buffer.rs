@@ -9,7 +9,6 @@
 
 use std::fmt;
 use std::io;
-use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 
 use memmap2::{Advice, MmapMut};
@@ -19,8 +18,9 @@ const HUGE_PAGE: usize = 2 << 20;
 
 /// Where a buffer's elements live.
 enum Store<T> {
-    /// Its own mapping, advised as huge pages.
-    Mapped(MmapMut),
+    /// Its own mapping, advised as huge pages; the elements start at the first 2 MiB boundary
+    /// in it (the offset).
+    Mapped(MmapMut, usize),
     /// The process heap: below a huge page a mapping of its own gains nothing.
     Heap(Vec<T>),
 }
@@ -33,12 +33,11 @@ pub struct HugeBuffer<T: bytemuck::Pod> {
     store: Store<T>,
     len: usize,
     huge: bool,
-    _elem: PhantomData<T>,
 }
 
 impl<T: bytemuck::Pod> HugeBuffer<T> {
-    /// A buffer of `len` zeroed elements. From 2 MiB on, the mapping is rounded up to whole
-    /// huge pages and advised; a smaller buffer could not hold an aligned huge page, so it
+    /// A buffer of `len` zeroed elements. From 2 MiB on, the elements start on a 2 MiB
+    /// boundary of a mapping of whole huge pages, advised as such; a smaller buffer could not hold an aligned huge page, so it
     /// lives on the heap. The error is the `mmap` failure (or a length whose byte size
     /// overflows).
     pub fn zeroed(len: usize) -> io::Result<Self> {
@@ -53,24 +52,28 @@ impl<T: bytemuck::Pod> HugeBuffer<T> {
                 store: Store::Heap(vec![T::zeroed(); len]),
                 len,
                 huge: false,
-                _elem: PhantomData,
             });
         }
-        let mapped = bytes.checked_next_multiple_of(HUGE_PAGE).ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("a buffer of {bytes} bytes overflows the address space"),
-            )
-        })?;
+        // Whole huge pages, plus one to align the start: kernels before 6.7 place a large
+        // anonymous mapping on any 4 KiB page.
+        let mapped = bytes
+            .checked_next_multiple_of(HUGE_PAGE)
+            .and_then(|b| b.checked_add(HUGE_PAGE))
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("a buffer of {bytes} bytes overflows the address space"),
+                )
+            })?;
         let map = MmapMut::map_anon(mapped)?;
+        let offset = (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE;
         // Before the first touch, so the first faults already allocate huge pages. A kernel
         // without transparent huge pages refuses the advice; the memory is still good.
         let huge = map.advise(Advice::HugePage).is_ok();
         Ok(Self {
-            store: Store::Mapped(map),
+            store: Store::Mapped(map, offset),
             len,
             huge,
-            _elem: PhantomData,
         })
     }
 
@@ -81,9 +84,10 @@ impl<T: bytemuck::Pod> HugeBuffer<T> {
         Ok(b)
     }
 
-    /// Whether the buffer was advised as huge pages and the kernel took the advice (it may
-    /// still fall back to small pages when it has no free huge page at fault time). Buffers
-    /// under 2 MiB are never advised.
+    /// Whether the buffer was advised as huge pages and the kernel accepted the advice, which
+    /// it does whatever its mode (with `never`, the pages stay small), and may still back
+    /// with small pages when it has no free huge page at fault time. Buffers under 2 MiB are
+    /// never advised.
     pub fn advised(&self) -> bool {
         self.huge
     }
@@ -95,7 +99,7 @@ impl<T: bytemuck::Pod> Deref for HugeBuffer<T> {
     fn deref(&self) -> &[T] {
         let bytes = self.len * std::mem::size_of::<T>();
         match &self.store {
-            Store::Mapped(m) => bytemuck::cast_slice(&m[..bytes]),
+            Store::Mapped(m, at) => bytemuck::cast_slice(&m[*at..*at + bytes]),
             Store::Heap(v) => v,
         }
     }
@@ -105,7 +109,7 @@ impl<T: bytemuck::Pod> DerefMut for HugeBuffer<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         let bytes = self.len * std::mem::size_of::<T>();
         match &mut self.store {
-            Store::Mapped(m) => bytemuck::cast_slice_mut(&mut m[..bytes]),
+            Store::Mapped(m, at) => bytemuck::cast_slice_mut(&mut m[*at..*at + bytes]),
             Store::Heap(v) => v,
         }
     }
@@ -134,7 +138,11 @@ mod tests {
         b[1_000_002] = 7.5;
         b[0] = -1.0;
         assert_eq!((b[0], b[1_000_002]), (-1.0, 7.5));
-        assert_eq!(b.as_ptr() as usize % 4096, 0, "mappings start on a page");
+        assert_eq!(
+            b.as_ptr() as usize % HUGE_PAGE,
+            0,
+            "the elements start on a huge page"
+        );
     }
 
     #[test]

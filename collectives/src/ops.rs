@@ -35,11 +35,12 @@ fn pieces(starts: &[usize], a: usize, b: usize) -> Vec<(usize, usize, usize)> {
     out
 }
 
-/// Bytes reduced per step of the same-host path: large enough to amortize a system call,
-/// small enough that the block being reduced stays in cache.
+/// Most bytes read from one peer per step of the same-host reduce: large enough to amortize a
+/// system call, small enough that a step's data stays in cache.
 const SAME_HOST_CHUNK: usize = 256 * 1024;
 
-/// Bytes of peers' chunks staged at once by the same-host reduce (all peers of one step).
+/// Bytes of peers' chunks a step of the same-host reduce stages (every peer's chunk), spread
+/// over the peers, but never below 64 KiB a peer (so more with more than 12 peers).
 const SAME_HOST_STAGING: usize = 768 * 1024;
 
 /// Bytes of an accumulator reduced against every source before moving on: a slice of L1.
@@ -293,10 +294,12 @@ impl Communicator {
     /// The work of the same-host reduce, on the virtual concatenation of `bufs` (one tensor,
     /// or a grouped call's several) whose start addresses in rank `p` are `addrs[p]`. Block
     /// `w` of the concatenation is reduced by rank `w` alone, in place, own values first and
-    /// then each peer's in rank order, so every rank gets the same bits; a barrier separates
-    /// the phases, and another keeps every buffer untouched until no peer reads it any more.
-    /// With `cross`, each block is then allreduced among the other hosts' ranks of the same
-    /// local index before the blocks are gathered.
+    /// then each peer's in rank order, so every rank gets the same bits. Then a barrier, the
+    /// gather of the other blocks, and another barrier that keeps every buffer untouched until
+    /// no peer reads it any more. On a crowded host only one rank per core reduces, pushing
+    /// each finished chunk into every peer, and one barrier over the sockets ends the call.
+    /// With `cross` (one tensor), each block is allreduced among the other hosts' ranks of the
+    /// same local index before the gather.
     #[allow(clippy::too_many_arguments)]
     fn reduce_blocks_same_host<T: Element>(
         &mut self,
@@ -309,11 +312,7 @@ impl Communicator {
         cross: Option<&mut Communicator>,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
-        let mut starts = Vec::with_capacity(bufs.len() + 1);
-        starts.push(0usize);
-        for b in bufs.iter() {
-            starts.push(starts[starts.len() - 1] + b.len());
-        }
+        let starts = prefix_sums(&bufs.iter().map(|b| b.len()).collect::<Vec<_>>());
         let total = starts[bufs.len()];
         let elem = std::mem::size_of::<T>();
         // With more ranks than cores, only one rank per core reduces (the others would just
@@ -381,23 +380,18 @@ impl Communicator {
             return Err(self.fail(left_collective(p, name, &e)));
         }
         if let Some(x) = cross {
-            let mut mine: Vec<&mut [T]> = bufs
-                .iter_mut()
-                .zip(starts.windows(2))
-                .filter_map(|(b, w)| {
-                    let (s, e) = (w[0].max(lo), w[1].min(hi));
-                    (s < e).then(|| &mut b[s - w[0]..e - w[0]])
-                })
-                .collect();
-            let done = match mine.as_mut_slice() {
-                [one] => x.allreduce(one, op.combining()),
-                many => x.grouped_allreduce(many, op.combining()),
+            // Hierarchical calls reduce one tensor (grouped calls fuse before they get here).
+            let [one] = bufs else {
+                return Err(self.fail(CommError::Broken {
+                    cause: format!("a hierarchical reduce got {} tensors, not one", bufs.len()),
+                }));
             };
-            if let Err(e) = done {
+            let block = &mut one[lo..hi];
+            if let Err(e) = x.allreduce(block, op.combining()) {
                 return Err(self.fail(e));
             }
             if op == ReduceOp::Average {
-                mine.iter_mut().for_each(|b| T::divide(b, n * x.size()));
+                T::divide(block, n * x.size());
             }
         }
         if workers < n {
@@ -433,11 +427,7 @@ impl Communicator {
                 cause: "same-host transfers are not set up".into(),
             }));
         };
-        let mut starts = Vec::with_capacity(bufs.len() + 1);
-        starts.push(0usize);
-        for b in bufs.iter() {
-            starts.push(starts[starts.len() - 1] + b.len());
-        }
+        let starts = prefix_sums(&bufs.iter().map(|b| b.len()).collect::<Vec<_>>());
         let total = starts[bufs.len()];
         let mut mine = desc::<T>(Kind::Allreduce, Some(op), seq, total);
         mine.row_len = bufs.len() as u64;

@@ -171,7 +171,7 @@ pub struct ElasticJobStatus {
     /// names, a pod created after its entry holds a recycled IP, not the blacklisted host.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub blacklist_seen: Vec<BlacklistSeen>,
-    /// Latest observations of the job's state (`Ready`, `DriverReachable`).
+    /// Latest observations of the job's state (`Ready`, `DriverReachable`, `SpecApplied`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// Label selector of the worker pods, for the scale subresource.

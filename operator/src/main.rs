@@ -140,10 +140,19 @@ async fn operate(cli: Cli) -> anyhow::Result<()> {
     let client = Client::try_default()
         .await
         .context("cannot reach the Kubernetes API (no in-cluster config or kubeconfig)")?;
-    let version = client
-        .apiserver_version()
-        .await
-        .context("the Kubernetes API does not answer")?;
+    // Not ready until the API answers; a short outage at start-up is waited out, not fatal.
+    let version = loop {
+        match client.apiserver_version().await {
+            Ok(v) => break v,
+            Err(e) => {
+                tracing::warn!(error = %e, "the Kubernetes API does not answer; retrying in 2 s");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(2)) => {}
+                    () = terminated() => return Ok(()),
+                }
+            }
+        }
+    };
     tracing::info!(version = %version.git_version, "Kubernetes API reached");
     health.ready();
     let ctx = Context::new(client.clone(), cli.identity.clone());

@@ -927,7 +927,7 @@ mod tests {
         );
         assert!(
             applied.message.starts_with(
-                "spec.image, spec.maxReplicas, spec.env changed after the job started"
+                "spec.env, spec.image, spec.maxReplicas changed after the job started"
             ),
             "{}",
             applied.message

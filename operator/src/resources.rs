@@ -328,19 +328,23 @@ fn port(name: &str, port: u16) -> ContainerPort {
 
 /// Worker pod number `index`: `hvd-agent --listen [::]:7077 --secret-file SECRET_FILE`
 /// (dual-stack; the secret comes from the mounted Secret, never from the environment the
-/// training processes inherit), Ready once the agent listens, annotated with its slot count,
-/// reachable by DNS through the headless Service.
+/// training processes inherit), Ready once the agent listens, annotated with its slot count
+/// and the spec it was made from, reachable by DNS through the headless Service.
 ///
 /// # Errors
-/// [`Error::MissingField`] when the job lacks a name, namespace or uid.
+/// [`Error::MissingField`] when the job lacks a name, namespace or uid; [`Error::Json`] when
+/// the spec cannot be recorded.
 pub fn worker_pod(job: &ElasticJob, index: usize) -> Result<Pod, Error> {
     let names = Names::of(job)?;
     let name = names.worker(index);
     let mut metadata = meta(job, &names, name.clone(), Some(ROLE_WORKER))?;
-    metadata.annotations = Some(BTreeMap::from([(
-        job.spec.discovery.slots_annotation.clone(),
-        job.spec.slots_per_worker.to_string(),
-    )]));
+    metadata.annotations = Some(BTreeMap::from([
+        (
+            job.spec.discovery.slots_annotation.clone(),
+            job.spec.slots_per_worker.to_string(),
+        ),
+        spec_record(job)?,
+    ]));
     let dns = job.spec.discovery.dns;
     Ok(Pod {
         metadata,
@@ -440,33 +444,31 @@ pub fn driver_command(job: &ElasticJob) -> Result<Vec<String>, Error> {
 /// the spec never mixes images or settings within one job.
 pub const ANNOTATION_SPEC: &str = "hvd.dev/spec";
 
-/// The spec fields that shape a job's pods, by name, for [`changed_fields`].
-const SHAPING: [&str; 9] = [
-    "image",
-    "command",
-    "minReplicas",
-    "maxReplicas",
-    "slotsPerWorker",
-    "resources",
-    "env",
-    "discovery",
-    "blacklist",
-];
-
-/// The spec a running job's pods are made from: the one recorded on its driver pod
-/// ([`ANNOTATION_SPEC`]) with the current `replicas`, or the job's own spec when there is no
-/// driver pod of this job, or it has no readable record (made by an older operator).
+/// The spec a running job's pods are made from: the one recorded on its driver pod, else on
+/// one of its worker pods ([`ANNOTATION_SPEC`]), with the current `replicas`; the job's own
+/// spec when no pod of this job has a readable record (none yet, or made by an older
+/// operator). So a driver pod recreated while workers run is made from their spec too.
 pub fn as_started(job: &ElasticJob, pods: &[Pod]) -> ElasticJob {
     let mut started = job.clone();
     let Ok(names) = Names::of(job) else {
         return started;
     };
-    let recorded = pods
+    let driver = names.driver();
+    let mut ours: Vec<&Pod> = pods
         .iter()
         .filter(|p| crate::plan::owned_by(job, p))
-        .find(|p| p.metadata.name.as_deref() == Some(names.driver().as_str()))
-        .and_then(|p| p.metadata.annotations.as_ref()?.get(ANNOTATION_SPEC))
-        .and_then(|text| serde_json::from_str::<crate::crd::ElasticJobSpec>(text).ok());
+        .collect();
+    // The driver's record first, then live workers', then any.
+    ours.sort_by_key(|p| {
+        (
+            p.metadata.name.as_deref() != Some(driver.as_str()),
+            p.metadata.deletion_timestamp.is_some(),
+        )
+    });
+    let recorded = ours.iter().find_map(|p| {
+        let text = p.metadata.annotations.as_ref()?.get(ANNOTATION_SPEC)?;
+        serde_json::from_str::<crate::crd::ElasticJobSpec>(text).ok()
+    });
     if let Some(mut spec) = recorded {
         spec.replicas = job.spec.replicas;
         started.spec = spec;
@@ -474,19 +476,30 @@ pub fn as_started(job: &ElasticJob, pods: &[Pod]) -> ElasticJob {
     started
 }
 
-/// The spec fields (by their names in the CRD) in which `now` differs from `started`;
-/// `replicas` is never one of them.
-pub fn changed_fields(now: &ElasticJob, started: &ElasticJob) -> Vec<&'static str> {
-    let (Ok(a), Ok(b)) = (
+/// The spec fields (by their names in the CRD, in alphabetical order) in which `now` differs
+/// from `started`; `replicas` is never one of them.
+pub fn changed_fields(now: &ElasticJob, started: &ElasticJob) -> Vec<String> {
+    let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) = (
         serde_json::to_value(&now.spec),
         serde_json::to_value(&started.spec),
     ) else {
         return Vec::new();
     };
-    SHAPING
-        .into_iter()
-        .filter(|f| a.get(f) != b.get(f))
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    keys.into_iter()
+        .filter(|k| *k != "replicas" && a.get(*k) != b.get(*k))
+        .cloned()
         .collect()
+}
+
+/// The record of the spec `job`'s pods are made from ([`ANNOTATION_SPEC`]).
+fn spec_record(job: &ElasticJob) -> Result<(String, String), Error> {
+    let mut recorded = job.spec.clone();
+    recorded.replicas = None;
+    Ok((
+        ANNOTATION_SPEC.to_string(),
+        serde_json::to_string(&recorded)?,
+    ))
 }
 
 /// The driver pod: `horovodrun` with Kubernetes discovery of the job's workers, under the
@@ -499,12 +512,7 @@ pub fn changed_fields(now: &ElasticJob, started: &ElasticJob) -> Vec<&'static st
 pub fn driver_pod(job: &ElasticJob) -> Result<Pod, Error> {
     let names = Names::of(job)?;
     let mut metadata = meta(job, &names, names.driver(), Some(ROLE_DRIVER))?;
-    let mut recorded = job.spec.clone();
-    recorded.replicas = None;
-    metadata.annotations = Some(BTreeMap::from([(
-        ANNOTATION_SPEC.to_string(),
-        serde_json::to_string(&recorded)?,
-    )]));
+    metadata.annotations = Some(BTreeMap::from([spec_record(job)?]));
     Ok(Pod {
         metadata,
         spec: Some(PodSpec {
@@ -575,7 +583,25 @@ mod tests {
             Some("hvd:test")
         );
 
-        // No driver pod, another job's, or an unreadable record: the job's own spec.
+        // Without its driver pod, a running job's workers carry the record: a recreated
+        // driver is made from it too.
+        let w = worker_pod(&j, 0).unwrap();
+        assert_eq!(
+            as_started(&edited, std::slice::from_ref(&w)).spec.image,
+            "hvd:test"
+        );
+        assert_eq!(
+            driver_pod(&as_started(&edited, &[w]))
+                .unwrap()
+                .spec
+                .unwrap()
+                .containers[0]
+                .image
+                .as_deref(),
+            Some("hvd:test")
+        );
+
+        // No pod, another job's, or an unreadable record: the job's own spec.
         assert_eq!(as_started(&edited, &[]).spec.image, "hvd:next");
         let mut foreign = d.clone();
         foreign.metadata.owner_references.as_mut().unwrap()[0].uid = "uid-old".into();

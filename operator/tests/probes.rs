@@ -121,6 +121,18 @@ fn operator(api: u16, probe_port: u16, name: &str) -> Operator {
     Operator(child)
 }
 
+/// The exit status of `child`, which must exit within 30 s (else the test fails with `why`).
+fn exit_within_30s(child: &mut Child, why: &str) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "{why}");
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Status code and body of `GET path`, or `None` while nothing listens.
 fn get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
@@ -178,17 +190,10 @@ fn ready_once_the_api_answers_then_stops_on_sigterm() {
             .unwrap()
             .success()
     );
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = op.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "the operator did not stop within 30 s of SIGTERM"
-        );
-        thread::sleep(Duration::from_millis(50));
-    };
+    let status = exit_within_30s(
+        &mut op.0,
+        "the operator did not stop within 30 s of SIGTERM",
+    );
     let mut log = String::new();
     if let Some(mut e) = op.0.stdout.take() {
         let _ = e.read_to_string(&mut log);
@@ -205,11 +210,15 @@ fn a_taken_probe_port_is_an_error_naming_the_flag() {
     let port = taken.local_addr().unwrap().port();
     let api = fake_api(true);
     let mut op = operator(api, port, "taken");
-    let mut log = String::new();
-    if let Some(mut e) = op.0.stdout.take() {
-        let _ = e.read_to_string(&mut log);
-    }
-    let status = op.0.wait().unwrap();
+    let out = op.0.stdout.take().unwrap();
+    // Read in a thread: an operator that started after all would never close its output.
+    let reader = thread::spawn(move || {
+        let mut log = String::new();
+        let _ = BufReader::new(out).read_to_string(&mut log);
+        log
+    });
+    let status = exit_within_30s(&mut op.0, "the operator started on a taken port");
+    let log = reader.join().unwrap();
     assert!(!status.success(), "started on a taken port: {log}");
     assert!(log.contains("--probe-port"), "{log}");
 }

@@ -24,7 +24,7 @@ pub fn malloc_huge_pages() -> Option<bool> {
     }
     // Above glibc's mmap threshold (2 MiB under horovodrun), so it gets a mapping of its own,
     // which glibc advises at once if it honours the tunable; no page needs touching.
-    let probe: Vec<u8> = Vec::with_capacity(4 << 20);
+    let probe: Vec<u8> = std::hint::black_box(Vec::with_capacity(4 << 20));
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
     let flags = vma_flags(&smaps, probe.as_ptr() as usize)?;
     Some(flags.contains(&"hg"))
