@@ -570,6 +570,16 @@ fn hierarchical_allreduce_follows_placement_and_flags() {
     );
 }
 
+/// How often the kernel has fallen back to small pages for want of a free huge page.
+fn thp_fallbacks() -> u64 {
+    std::fs::read_to_string("/proc/vmstat")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("thp_fault_fallback "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// Workers ask glibc's malloc for huge pages by default; `HVD_HUGE_PAGES=0` or a
 /// `GLIBC_TUNABLES` of the user's leaves it alone, and PyTorch's switch is the user's.
 #[test]
@@ -594,11 +604,14 @@ fn workers_get_huge_pages_unless_told_otherwise() {
         if let Some(v) = var {
             cmd.env(v, value);
         }
+        let fallbacks = thp_fallbacks();
         let out = cmd
             .args(["-np", "2", "-H", "127.0.0.2:2", &probe])
             .output()
             .expect("run horovodrun");
         assert!(out.status.success(), "{}", text(&out.stderr));
+        // A kernel short of free huge pages backs an advised buffer with small ones.
+        let short = thp_fallbacks() > fallbacks;
         let seen: Vec<(Option<String>, Option<String>)> = topologies(&text(&out.stdout))
             .iter()
             .map(|v| {
@@ -621,7 +634,7 @@ fn workers_get_huge_pages_unless_told_otherwise() {
                 t["malloc_huge_kb"].as_u64(),
             );
             match (want_tunables == Some(tunables) && madvise, honoured) {
-                (true, Some(true)) => assert!(kb > Some(0), "{var:?}={value}: {t}"),
+                (true, Some(true)) => assert!(short || kb > Some(0), "{var:?}={value}: {t}"),
                 (true, Some(false)) => assert_eq!(kb, Some(0), "{var:?}={value}: {t}"),
                 (false, None) => {}
                 other => panic!("{var:?}={value}: {other:?} in {t}"),
