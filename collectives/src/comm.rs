@@ -47,6 +47,9 @@ pub struct Communicator {
     cores: usize,
     /// Further connections to each peer, over which the ring stripes its segments.
     extra: Vec<Vec<TcpStream>>,
+    /// The same-host reduce's staging memory, kept between calls so that a call neither
+    /// allocates it nor faults it in again (8-byte words: aligned for every element type).
+    pub(crate) staging: Vec<u64>,
 }
 
 /// The two communicators of a hierarchical allreduce, over the world's own sockets: the ranks
@@ -414,6 +417,7 @@ impl Communicator {
             machine_ranks: 1,
             cores: cores(),
             extra: (0..n).map(|_| Vec::new()).collect(),
+            staging: Vec::new(),
         }
     }
 

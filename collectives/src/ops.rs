@@ -333,7 +333,13 @@ impl Communicator {
         let peers: Vec<usize> = (0..n).filter(|&p| p != r).collect();
         let per_peer = (SAME_HOST_STAGING / peers.len().max(1)).clamp(64 * 1024, SAME_HOST_CHUNK);
         let chunk = (per_peer / elem).max(1).min(hi - lo).max(1);
-        let mut tmp: Vec<T> = vec![bytemuck::Zeroable::zeroed(); chunk * peers.len()];
+        let mut staging = std::mem::take(&mut self.staging);
+        let words = (chunk * peers.len() * elem).div_ceil(8);
+        if staging.len() < words {
+            staging.resize(words, 0);
+        }
+        let tmp: &mut [T] =
+            &mut bytemuck::cast_slice_mut::<u64, T>(&mut staging)[..chunk * peers.len()];
         let mut failed = None;
         let mut at = lo;
         'reduce: while at < hi {
@@ -376,6 +382,7 @@ impl Communicator {
             }
             at += len;
         }
+        self.staging = staging;
         if let Some((p, e)) = failed {
             return Err(self.fail(left_collective(p, name, &e)));
         }
