@@ -324,22 +324,26 @@ fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
 /// `HVD_HUGE_PAGES=0` turns it off.
 ///
 /// glibc 2.35 and 2.36 (Debian 12, Ubuntu 22.04) read the kernel's huge-page mode into an
-/// unterminated buffer and ignore the tunable in some processes, at random
-/// (`hvd::malloc_huge_pages` tells); `hvd::HugeBuffer` asks the kernel directly. PyTorch's
-/// own switch (`THP_MEM_ALLOC_ENABLE=1`) is left to the user: it puts large tensors on huge
-/// pages and small ones not, and fused bursts of such a mix ran slower here than on small pages
-/// alone.
+/// unterminated buffer and ignore the tunable in some processes, at random; PyTorch's own
+/// allocator is therefore asked too ([`THP_ALLOC`]), and `hvd::HugeBuffer` asks the kernel
+/// directly.
 const HUGE_PAGES_TUNABLES: &str = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=2097152";
 
-/// The huge-page variables workers get: `GLIBC_TUNABLES` unless the user set it, nothing with
+/// PyTorch's switch for its CPU allocator: tensors of 2 MiB and more are aligned to huge pages
+/// and advised as such, whatever glibc does.
+const THP_ALLOC: &str = "THP_MEM_ALLOC_ENABLE";
+
+/// The huge-page variables workers get: each unless the user set it, none with
 /// `HVD_HUGE_PAGES=0`. `user` tells whether a variable is already set.
 fn huge_pages_env(user: impl Fn(&str) -> Option<String>) -> Vec<(String, String)> {
-    if user(hvd_rendezvous::ENV_HUGE_PAGES).is_some_and(|v| v.trim() == "0")
-        || user("GLIBC_TUNABLES").is_some()
-    {
+    if user(hvd_rendezvous::ENV_HUGE_PAGES).is_some_and(|v| v.trim() == "0") {
         return Vec::new();
     }
-    vec![("GLIBC_TUNABLES".into(), HUGE_PAGES_TUNABLES.into())]
+    [("GLIBC_TUNABLES", HUGE_PAGES_TUNABLES), (THP_ALLOC, "1")]
+        .into_iter()
+        .filter(|(k, _)| user(k).is_none())
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 fn positive(v: f64, name: &str) -> anyhow::Result<Duration> {
@@ -543,11 +547,18 @@ mod tests {
             "GLIBC_TUNABLES",
             "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=2097152",
         );
-        let on = vec![tunables];
-        assert_eq!(huge_pages_env(env(&[])), on);
-        assert_eq!(huge_pages_env(env(&[("HVD_HUGE_PAGES", "1")])), on);
+        let torch = pair("THP_MEM_ALLOC_ENABLE", "1");
+        let both = vec![tunables.clone(), torch.clone()];
+        assert_eq!(huge_pages_env(env(&[])), both);
+        assert_eq!(huge_pages_env(env(&[("HVD_HUGE_PAGES", "1")])), both);
         assert!(huge_pages_env(env(&[("HVD_HUGE_PAGES", " 0 ")])).is_empty());
-        assert!(huge_pages_env(env(&[("GLIBC_TUNABLES", "glibc.malloc.check=0")])).is_empty());
-        assert_eq!(huge_pages_env(env(&[("THP_MEM_ALLOC_ENABLE", "1")])), on);
+        assert_eq!(
+            huge_pages_env(env(&[("GLIBC_TUNABLES", "glibc.malloc.check=0")])),
+            vec![torch]
+        );
+        assert_eq!(
+            huge_pages_env(env(&[("THP_MEM_ALLOC_ENABLE", "0")])),
+            vec![tunables]
+        );
     }
 }

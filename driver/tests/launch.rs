@@ -580,22 +580,22 @@ fn thp_fallbacks() -> u64 {
         .unwrap_or(0)
 }
 
-/// Workers ask glibc's malloc for huge pages by default; `HVD_HUGE_PAGES=0` or a
-/// `GLIBC_TUNABLES` of the user's leaves it alone, and PyTorch's switch is the user's.
+/// Workers ask glibc's and PyTorch's allocators for huge pages by default; `HVD_HUGE_PAGES=0`
+/// turns both off, and a variable the user set is left as it is.
 #[test]
 fn workers_get_huge_pages_unless_told_otherwise() {
     let probe = probe();
     let tunables = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=2097152";
     for (var, value, want_tunables, want_torch) in [
-        (None, "", Some(tunables), None),
+        (None, "", Some(tunables), Some("1")),
         (Some("HVD_HUGE_PAGES"), "0", None, None),
         (
             Some("GLIBC_TUNABLES"),
             "glibc.malloc.check=0",
             Some("glibc.malloc.check=0"),
-            None,
+            Some("1"),
         ),
-        (Some("THP_MEM_ALLOC_ENABLE"), "1", Some(tunables), Some("1")),
+        (Some("THP_MEM_ALLOC_ENABLE"), "0", Some(tunables), Some("0")),
     ] {
         let mut cmd = horovodrun();
         cmd.env_remove("GLIBC_TUNABLES")

@@ -152,7 +152,8 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
             "malloc in this process ignored GLIBC_TUNABLES glibc.malloc.hugetlb=1 (glibc 2.35 \
              and 2.36 do so at random): its large buffers stay on 4 KiB pages, which same-host \
              transfers copy at about half speed; hvd::HugeBuffer, glibc 2.37 or later, or \
-             transparent_hugepage=always avoid it"
+             transparent_hugepage=always avoid it (and PyTorch's THP_MEM_ALLOC_ENABLE=1, \
+             set by horovodrun, for tensors of 2 MiB and more)"
         );
     }
     let (listener, advertised) = client::bind_listener(&launch)?;
