@@ -177,27 +177,9 @@ mod tests {
         let mut b = HugeBuffer::<u8>::zeroed(8 << 20).unwrap();
         assert!(b.advised());
         b.fill(1);
-        let start = b.as_ptr() as usize;
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-        let mut inside = false;
-        let mut huge_kb = None;
-        for line in smaps.lines() {
-            if let Some((range, _)) = line.split_once(' ') {
-                if let Some((lo, hi)) = range.split_once('-') {
-                    if let (Ok(lo), Ok(hi)) =
-                        (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
-                    {
-                        inside = (lo..hi).contains(&start);
-                        continue;
-                    }
-                }
-            }
-            if inside {
-                if let Some(v) = line.strip_prefix("AnonHugePages:") {
-                    huge_kb = v.trim().trim_end_matches("kB").trim().parse::<usize>().ok();
-                }
-            }
-        }
+        let huge_kb = crate::pages::mapping_field(&smaps, b.as_ptr() as usize, "AnonHugePages")
+            .and_then(|v| v.trim_end_matches("kB").trim().parse::<usize>().ok());
         let huge_kb = huge_kb.expect("the buffer's mapping is in smaps");
         if huge_kb < 8192 && thp_fallbacks() > fallbacks {
             eprintln!("SKIP: the kernel had no free huge page ({huge_kb} kB of 8192 got one)");

@@ -10,6 +10,7 @@
 //! # Layout
 //! - `dtype`: element types and reduction kernels;
 //! - `buffer`: tensor buffers backed by transparent huge pages;
+//! - `pages`: whether this process's `malloc` honours the huge-page tunable;
 //! - `wire`: the descriptor that opens every collective (a pure codec);
 //! - `connect`: the authenticated mesh handshake;
 //! - `link`: sockets, abort, and the shut-everything-down path that turns a failure anywhere
@@ -38,6 +39,7 @@ mod error;
 mod link;
 mod mailbox;
 mod ops;
+mod pages;
 mod pipeline;
 mod timeline;
 mod wire;
@@ -50,5 +52,6 @@ pub use engine::{Buffer, Compression, Engine, EngineConfig, Handle, Submitter};
 pub use error::{CommError, Result};
 pub use half::{bf16, f16};
 pub use link::AbortHandle;
+pub use pages::malloc_huge_pages;
 pub use timeline::Timeline;
 pub use wire::{Descriptor, Kind};

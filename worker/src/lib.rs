@@ -25,7 +25,6 @@ mod client;
 pub mod elastic;
 mod error;
 mod launch;
-mod pages;
 mod process_set;
 
 use std::net::TcpListener;
@@ -36,11 +35,10 @@ use std::time::Duration;
 pub use error::{Error, Result};
 pub use hvd_collectives::{
     AbortHandle, Buffer, CommError, Communicator, Compression, DType, Element, Engine,
-    EngineConfig, Handle, HugeBuffer, ReduceOp, Submitter, Timeline, bf16, f16,
+    EngineConfig, Handle, HugeBuffer, ReduceOp, Submitter, Timeline, bf16, f16, malloc_huge_pages,
 };
 pub use hvd_rendezvous::Placement;
 pub use launch::{Env, Launch, ProcessEnv};
-pub use pages::malloc_huge_pages;
 pub use process_set::{
     ProcessSet, add_process_set, allreduce_on, process_sets, remove_process_set, with_process_set,
 };
@@ -147,7 +145,7 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
         });
         return Ok(());
     };
-    if pages::malloc_huge_pages() == Some(false) {
+    if malloc_huge_pages() == Some(false) {
         tracing::info!(
             "malloc in this process ignored GLIBC_TUNABLES glibc.malloc.hugetlb=1 (glibc 2.35 \
              and 2.36 do so at random): its large buffers stay on 4 KiB pages, which same-host \

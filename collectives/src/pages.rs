@@ -26,27 +26,29 @@ pub fn malloc_huge_pages() -> Option<bool> {
     // which glibc advises at once if it honours the tunable; no page needs touching.
     let probe: Vec<u8> = std::hint::black_box(Vec::with_capacity(4 << 20));
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
-    let flags = vma_flags(&smaps, probe.as_ptr() as usize)?;
-    Some(flags.contains(&"hg"))
+    let flags = mapping_field(&smaps, probe.as_ptr() as usize, "VmFlags")?;
+    Some(flags.split_whitespace().any(|f| f == "hg"))
 }
 
-/// The `VmFlags` of the mapping holding `addr` in a `/proc/<pid>/smaps` text.
-fn vma_flags(smaps: &str, addr: usize) -> Option<Vec<&str>> {
+/// The value of `field` (`VmFlags`, `AnonHugePages`, …) of the mapping holding `addr` in a
+/// `/proc/<pid>/smaps` text, trimmed.
+pub(crate) fn mapping_field<'a>(smaps: &'a str, addr: usize, field: &str) -> Option<&'a str> {
     let mut inside = false;
     for line in smaps.lines() {
-        if let Some(range) = line.split_whitespace().next() {
-            if let Some((lo, hi)) = range.split_once('-') {
-                if let (Ok(lo), Ok(hi)) =
-                    (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
-                {
-                    inside = (lo..hi).contains(&addr);
-                    continue;
-                }
+        if let Some((lo, hi)) = line
+            .split_whitespace()
+            .next()
+            .and_then(|r| r.split_once('-'))
+        {
+            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+            {
+                inside = (lo..hi).contains(&addr);
+                continue;
             }
         }
         if inside {
-            if let Some(flags) = line.strip_prefix("VmFlags:") {
-                return Some(flags.split_whitespace().collect());
+            if let Some(v) = line.strip_prefix(field).and_then(|v| v.strip_prefix(':')) {
+                return Some(v.trim());
             }
         }
     }
@@ -72,16 +74,15 @@ VmFlags: rd mr mw me
 
     #[test]
     fn finds_the_flags_of_the_mapping_holding_an_address() {
+        let flags = |addr| mapping_field(SMAPS, addr, "VmFlags");
+        assert_eq!(flags(0x7f00_0000_1000), Some("rd wr mr mw me ac hg"));
         assert_eq!(
-            vma_flags(SMAPS, 0x7f00_0000_1000),
-            Some(vec!["rd", "wr", "mr", "mw", "me", "ac", "hg"])
+            mapping_field(SMAPS, 0x7f00_0000_1000, "AnonHugePages"),
+            Some("65536 kB")
         );
-        let heap = vma_flags(SMAPS, 0x55d0_c0a0_0010).unwrap_or_default();
-        assert!(!heap.contains(&"hg"), "{heap:?}");
-        assert_eq!(
-            vma_flags(SMAPS, 0x7f00_0400_1000),
-            Some(vec!["rd", "mr", "mw", "me"])
-        );
-        assert_eq!(vma_flags(SMAPS, 0x1000), None);
+        let heap = flags(0x55d0_c0a0_0010).unwrap_or_default();
+        assert!(!heap.split_whitespace().any(|f| f == "hg"), "{heap:?}");
+        assert_eq!(flags(0x7f00_0400_1000), Some("rd mr mw me"));
+        assert_eq!(flags(0x1000), None);
     }
 }
