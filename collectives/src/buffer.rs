@@ -176,6 +176,12 @@ mod tests {
         let fallbacks = thp_fallbacks();
         let mut b = HugeBuffer::<u8>::zeroed(8 << 20).unwrap();
         assert!(b.advised());
+        // The kernel merges adjacent mappings with the same flags, and other tests map advised
+        // buffers concurrently: a flag of its own keeps this mapping's smaps entry its own.
+        let Store::Mapped(map, _) = &b.store else {
+            panic!("an 8 MiB buffer has a mapping of its own");
+        };
+        map.advise(Advice::DontFork).unwrap();
         b.fill(1);
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
         let huge_kb = crate::pages::mapping_field(&smaps, b.as_ptr() as usize, "AnonHugePages")
