@@ -125,6 +125,15 @@ pub enum DriverMsg {
         /// Why.
         reason: String,
     },
+    /// Round `generation` lost a member: the worker cancels the round's collectives (a
+    /// survivor may be waiting on a hung peer, never reading from the dead one's connection)
+    /// and joins the next round.
+    Abort {
+        /// The failed round.
+        generation: u64,
+        /// What failed, for the worker's log and error.
+        reason: String,
+    },
     /// The registration was refused; the worker reports `reason` and fails.
     Refused {
         /// Why.
@@ -185,6 +194,16 @@ mod tests {
             decode_line::<DriverMsg>(&encode_line(&w).unwrap()).unwrap(),
             w
         );
+        let a = DriverMsg::Abort {
+            generation: 4,
+            reason: "worker 2 on 127.0.0.3 was killed by signal 9 (SIGKILL)".into(),
+        };
+        let line = encode_line(&a).unwrap();
+        assert!(
+            line.starts_with(br#"{"type":"abort","generation":4,"#),
+            "{line:?}"
+        );
+        assert_eq!(decode_line::<DriverMsg>(&line).unwrap(), a);
     }
 
     #[test]

@@ -3,12 +3,13 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use hvd_collectives::AbortHandle;
 use hvd_rendezvous::{DriverMsg, MAX_LINE, Placement, WorkerMsg, decode_line, encode_line};
 
 use crate::error::{Error, Result};
@@ -33,11 +34,48 @@ pub(crate) enum Round {
     Removed(String),
 }
 
-/// What the reader thread has seen of host changes.
+/// What the reader thread has seen of host changes and failed rounds.
 #[derive(Debug, Default)]
 pub(crate) struct Inbox {
     /// The highest `update_id` announced so far (0: none).
     pub latest_update: AtomicU64,
+    aborts: Mutex<Aborts>,
+}
+
+/// The communicators of this worker's newest round, and the newest round the driver aborted.
+#[derive(Debug, Default)]
+struct Aborts {
+    /// The newest failed round and why it failed.
+    failed: Option<(u64, String)>,
+    /// Communicators of the round `.0` (the world's and its process sets').
+    watched: Vec<(u64, AbortHandle)>,
+}
+
+impl Inbox {
+    /// Registers a communicator of round `generation`, forgetting those of older rounds; one
+    /// connected after the driver aborted its round is aborted at once.
+    pub fn watch(&self, generation: u64, handle: AbortHandle) {
+        let mut a = self.aborts.lock().unwrap_or_else(PoisonError::into_inner);
+        a.watched.retain(|(g, _)| *g >= generation);
+        match &a.failed {
+            Some((g, reason)) if *g == generation => handle.abort(reason.clone()),
+            _ => {}
+        }
+        a.watched.push((generation, handle));
+    }
+
+    /// The driver says round `generation` failed: every collective of it, blocked or later,
+    /// fails with `reason`, and the worker joins the next round.
+    fn abort(&self, generation: u64, reason: &str) {
+        let mut a = self.aborts.lock().unwrap_or_else(PoisonError::into_inner);
+        if a.failed.as_ref().is_some_and(|(g, _)| *g >= generation) {
+            return;
+        }
+        a.failed = Some((generation, reason.to_string()));
+        for (_, h) in a.watched.iter().filter(|(g, _)| *g == generation) {
+            h.abort(reason);
+        }
+    }
 }
 
 /// An open rendezvous connection.
@@ -238,7 +276,9 @@ impl Client {
             }
             DriverMsg::Removed { reason } => Ok(Round::Removed(reason)),
             DriverMsg::Refused { reason } => Err(self.fail(format!("refused: {reason}"))),
-            DriverMsg::HostsUpdated(_) => Err(self.fail("unexpected host update".into())),
+            DriverMsg::HostsUpdated(_) | DriverMsg::Abort { .. } => {
+                Err(self.fail("unexpected message while waiting for a round".into()))
+            }
         }
     }
 
@@ -286,6 +326,10 @@ fn spawn_reader(
                             tracing::debug!(update = ?u, "hosts updated");
                             inbox.latest_update.fetch_max(u.update_id, Ordering::SeqCst);
                         }
+                        Ok(DriverMsg::Abort { generation, reason }) => {
+                            tracing::warn!(generation, %reason, "the driver aborted the round");
+                            inbox.abort(generation, &reason);
+                        }
                         Ok(msg) => {
                             // The receiver is gone only while the process is exiting.
                             let _ = rounds.send(msg);
@@ -310,5 +354,44 @@ fn spawn_reader(
         });
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "could not start the driver connection reader");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hvd_collectives::Communicator;
+
+    #[test]
+    fn an_aborted_round_fails_its_communicators_and_no_other_round() {
+        let inbox = Inbox::default();
+        let (old, mut world, set) = (
+            Communicator::single(),
+            Communicator::single(),
+            Communicator::single(),
+        );
+        inbox.watch(1, old.abort_handle());
+        inbox.watch(2, world.abort_handle());
+        inbox.watch(2, set.abort_handle());
+        // A stale abort for a round this worker already left touches nothing.
+        inbox.abort(1, "round 1 lost a member");
+        assert!(!world.abort_handle().is_aborted());
+        assert!(!old.abort_handle().is_aborted(), "round 1 was forgotten");
+        inbox.abort(2, "round 2 lost a member: worker 5 on h was killed");
+        let e = world.barrier().expect_err("the round was aborted");
+        assert!(e.to_string().contains("worker 5 on h was killed"), "{e}");
+        assert!(
+            set.abort_handle().is_aborted(),
+            "process sets fail with their round"
+        );
+        // A communicator of the failed round connected after the abort fails at once; the
+        // next round's does not.
+        let (late, next) = (Communicator::single(), Communicator::single());
+        inbox.watch(2, late.abort_handle());
+        assert!(late.abort_handle().is_aborted());
+        inbox.watch(3, next.abort_handle());
+        assert!(!next.abort_handle().is_aborted());
+        inbox.abort(2, "again");
+        assert!(!next.abort_handle().is_aborted());
     }
 }

@@ -217,6 +217,10 @@ fn enter(session: &mut Session, round: client::Round) -> Result<(Topology, Commu
     session.updates_through = world.updates_through;
     session.peers.clone_from(&world.peers);
     let comm = Communicator::connect(cfg, &session.listener, &world.peers)?;
+    session
+        .client
+        .inbox
+        .watch(world.generation, comm.abort_handle());
     tracing::info!(
         rank = p.rank,
         size = p.size,

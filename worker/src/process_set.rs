@@ -81,12 +81,11 @@ fn connect(c: &mut Context, set: &ProcessSet) -> Result<Option<Communicator>> {
             cfg.same_host_copy = l.same_host_copy;
             cfg.hierarchical = l.hierarchical;
             cfg.streams = l.streams;
-            cfg.streams = l.streams;
-            cfg.hierarchical = l.hierarchical;
-            cfg.streams = l.streams;
-            cfg.streams = l.streams;
             let peers: Vec<_> = set.ranks.iter().map(|&r| s.peers[r]).collect();
-            Some(Communicator::connect(cfg, &s.listener, &peers)?)
+            let comm = Communicator::connect(cfg, &s.listener, &peers)?;
+            // The set's collectives fail with the round's when the driver aborts it.
+            s.client.inbox.watch(s.generation, comm.abort_handle());
+            Some(comm)
         }
     };
     let world = c.comm.as_mut().ok_or(Error::MembershipChanging)?;

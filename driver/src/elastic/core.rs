@@ -112,6 +112,16 @@ pub enum Action {
         /// The newest announcement this round accounts for.
         updates_through: u64,
     },
+    /// Cancel round `generation`'s collectives in these members: another member failed, and
+    /// a member waiting on a hung peer would never notice by itself.
+    Abort {
+        /// The members still running.
+        workers: Vec<WorkerId>,
+        /// The round.
+        generation: u64,
+        /// What failed.
+        reason: String,
+    },
     /// Announce a host change to these live workers.
     Notify {
         /// Who.
@@ -453,14 +463,7 @@ impl Core {
             self.pending = true;
         }
         // Every member must now join soon; one that doesn't is declared failed.
-        let due = now + self.cfg.round_timeout;
-        for m in &self.current {
-            if let Some(w) = self.workers.get_mut(m) {
-                if w.phase == Phase::Running && w.due.is_none() {
-                    w.due = Some(due);
-                }
-            }
-        }
+        self.expect_joins(now);
         if self.current.iter().any(|m| {
             self.workers
                 .get(m)
@@ -527,15 +530,24 @@ impl Core {
                     return;
                 }
                 tracing::warn!(worker = id, %host, exit = %exit.description, "worker failed");
-                self.host_failed(now, id, &host, out);
+                let why = format!("worker {id} on {host} {}", exit.description);
+                self.host_failed(now, id, &host, &why, out);
             }
         }
     }
 
     /// Blacklists `host` and stops its other workers: a host whose worker `failed` failed is
     /// not trusted. A new round is needed only when the last round lost a member; a new worker
-    /// that never made it into a round leaves the running ones alone.
-    fn host_failed(&mut self, now: Duration, failed: WorkerId, host: &str, out: &mut Vec<Action>) {
+    /// that never made it into a round leaves the running ones alone. The round's other
+    /// members are told to abort (`why` says what failed) and must join the next round in time.
+    fn host_failed(
+        &mut self,
+        now: Duration,
+        failed: WorkerId,
+        host: &str,
+        why: &str,
+        out: &mut Vec<Action>,
+    ) {
         let jitter = self.jitter();
         if let Some(b) = self.blacklist.blacklist(host, now, jitter) {
             self.cooldown_ends.insert(host.to_string(), b.until);
@@ -572,6 +584,50 @@ impl Core {
             });
         if lost_member || self.generation == 0 {
             self.pending = true;
+        }
+        if lost_member && self.generation > 0 {
+            // A survivor blocked on a hung member never reads the dead one's connection: only
+            // this tells it the round is over.
+            let running = self.running_members();
+            if !running.is_empty() {
+                tracing::info!(
+                    round = self.generation,
+                    workers = ?running,
+                    "telling the round's other members to abort"
+                );
+                out.push(Action::Abort {
+                    workers: running,
+                    generation: self.generation,
+                    reason: format!("round {} lost a member: {why}", self.generation),
+                });
+            }
+            self.expect_joins(now);
+        }
+    }
+
+    /// The members of the last round still training in it.
+    fn running_members(&self) -> Vec<WorkerId> {
+        self.current
+            .iter()
+            .copied()
+            .filter(|m| {
+                self.workers
+                    .get(m)
+                    .is_some_and(|w| w.phase == Phase::Running)
+            })
+            .collect()
+    }
+
+    /// Gives every running member of the round `--start-timeout` to join the next round; one
+    /// that does not (hung, stopped) is declared failed.
+    fn expect_joins(&mut self, now: Duration) {
+        let due = now + self.cfg.round_timeout;
+        for m in &self.current {
+            if let Some(w) = self.workers.get_mut(m) {
+                if w.phase == Phase::Running && w.due.is_none() {
+                    w.due = Some(due);
+                }
+            }
         }
     }
 
@@ -680,7 +736,10 @@ impl Core {
         }
         if self.pending {
             self.plan(now, out);
-        } else {
+        }
+        // Also right after a round that took only the connected workers: the slots it left
+        // out get theirs started now, not at the next discovery poll.
+        if !self.pending && !self.finished {
             self.prepare_change(now, out);
         }
     }
@@ -713,7 +772,8 @@ impl Core {
                 w.due = None;
             }
             out.push(Action::Stop { worker: id });
-            self.host_failed(now, id, &host, out);
+            let why = format!("worker {id} on {host} {what} in time");
+            self.host_failed(now, id, &host, &why, out);
         }
     }
 
@@ -897,16 +957,7 @@ impl Core {
         let hosts: BTreeSet<String> = target.iter().flatten().map(|s| s.host.clone()).collect();
         let added: Vec<String> = hosts.difference(&self.announced_hosts).cloned().collect();
         let removed: Vec<String> = self.announced_hosts.difference(&hosts).cloned().collect();
-        let workers: Vec<WorkerId> = self
-            .current
-            .iter()
-            .copied()
-            .filter(|m| {
-                self.workers
-                    .get(m)
-                    .is_some_and(|w| w.phase == Phase::Running)
-            })
-            .collect();
+        let workers = self.running_members();
         let update_id = self.next_update;
         self.next_update += 1;
         tracing::info!(
@@ -1115,8 +1166,18 @@ mod tests {
         );
         assert_eq!(
             a,
-            vec![Action::Stop { worker: ids[1] }],
-            "a's other worker is stopped"
+            vec![
+                Action::Stop { worker: ids[1] },
+                Action::Abort {
+                    workers: vec![ids[2], ids[3]],
+                    generation: 1,
+                    reason: format!(
+                        "round 1 lost a member: worker {} on a was killed by signal 9",
+                        ids[0]
+                    ),
+                }
+            ],
+            "a's other worker is stopped, b's are told to abort"
         );
         assert!(
             core.handle(
@@ -1250,6 +1311,51 @@ mod tests {
         let a = core.handle(secs(40), Input::Tick);
         assert!(a.contains(&Action::Stop { worker: ids[1] }));
         assert_eq!(worlds(&a), vec![(ids[0], 0, 2), (ids[2], 1, 2)]);
+    }
+
+    #[test]
+    fn a_death_aborts_the_round_and_a_member_that_then_hangs_is_declared_failed() {
+        let (mut core, ids) = running(cfg(4, 2, 4), &[("a", 2), ("b", 1), ("c", 1)]);
+        // The worker on c is stopped (it answers nothing); then the one on b dies. The workers
+        // on a wait on c's, never reading b's connection: the core must tell them.
+        let a = core.handle(
+            secs(5),
+            Input::Exited {
+                worker: ids[2],
+                exit: killed(),
+            },
+        );
+        assert!(
+            matches!(&a[..], [Action::Abort { workers, generation: 1, reason }]
+                if workers == &vec![ids[0], ids[1], ids[3]] && reason.contains("on b")),
+            "{a:?}"
+        );
+        assert_eq!(
+            core.next_deadline(),
+            Some(secs(35)),
+            "every member gets a deadline"
+        );
+        for &w in &ids[..2] {
+            let a = core.handle(
+                secs(6),
+                Input::Joined {
+                    worker: w,
+                    reason: "communicator aborted".into(),
+                },
+            );
+            assert!(
+                worlds(&a).is_empty(),
+                "the round waits for c's worker: {a:?}"
+            );
+        }
+        assert!(core.handle(secs(34), Input::Tick).is_empty());
+        let a = core.handle(secs(35), Input::Tick);
+        assert!(a.contains(&Action::Stop { worker: ids[3] }), "{a:?}");
+        assert!(
+            !a.iter().any(|x| matches!(x, Action::Abort { .. })),
+            "no member is left running to abort: {a:?}"
+        );
+        assert_eq!(worlds(&a), vec![(ids[0], 0, 2), (ids[1], 1, 2)]);
     }
 
     #[test]

@@ -246,6 +246,19 @@ impl Driver {
                 }
                 None
             }
+            Action::Abort {
+                workers,
+                generation,
+                reason,
+            } => {
+                let msg = DriverMsg::Abort { generation, reason };
+                for w in workers {
+                    if let Some(r) = self.regs.get(&w) {
+                        r.send(&msg);
+                    }
+                }
+                None
+            }
             Action::Notify {
                 workers,
                 update_id,

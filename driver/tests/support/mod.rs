@@ -188,7 +188,11 @@ impl Job {
                         return l;
                     }
                 }
-                Err(_) => panic!("never saw {what}; lines: {:?}", self.tail()),
+                Err(_) => panic!(
+                    "never saw {what}; lines: {:?}\nhorovodrun's stderr:\n{}",
+                    self.tail(),
+                    self.err_tail()
+                ),
             }
         }
     }
@@ -197,6 +201,16 @@ impl Job {
         self.wait_for(&format!("step {step} at size {size}"), |l| {
             l.v["event"] == "step" && l.v["step"].as_u64() >= Some(step) && l.v["size"] == size
         })
+    }
+
+    /// The last 8 KiB of `horovodrun`'s stderr so far, for a failure message.
+    pub fn err_tail(&self) -> String {
+        let err = self.err.lock().map(|e| e.clone()).unwrap_or_default();
+        let mut from = err.len().saturating_sub(8 << 10);
+        while !err.is_char_boundary(from) {
+            from += 1;
+        }
+        err[from..].to_string()
     }
 
     pub fn tail(&self) -> Vec<String> {
@@ -294,7 +308,11 @@ impl Job {
             }
             if Instant::now() > deadline {
                 let _ = self.child.kill();
-                panic!("horovodrun did not exit; lines: {:?}", self.tail());
+                panic!(
+                    "horovodrun did not exit; lines: {:?}\nhorovodrun's stderr:\n{}",
+                    self.tail(),
+                    self.err_tail()
+                );
             }
             thread::sleep(Duration::from_millis(20));
         };
