@@ -485,7 +485,8 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
                 Wire::Joined { worker, reason, .. } => {
                     tracing::warn!(rank = worker, %reason, "a worker of a static job asked for a new round; static jobs have one");
                 }
-                Wire::Left { .. } => {}
+                // A static job never aborts a round.
+                Wire::AbortSeen { .. } | Wire::Left { .. } => {}
             },
             ev = rx.recv() => match ev {
                 Some(Exit { worker, end }) => {

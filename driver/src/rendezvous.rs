@@ -58,6 +58,13 @@ pub enum Wire {
         /// Why it asks.
         reason: String,
     },
+    /// A registered worker saw the abort of round `generation`.
+    AbortSeen {
+        /// The worker.
+        worker: u64,
+        /// The aborted round.
+        generation: u64,
+    },
     /// A registered worker's connection closed; `clean` when it said goodbye first.
     Left {
         /// The worker.
@@ -189,6 +196,15 @@ async fn handle(
                     reason,
                 };
                 if events.send(ev).await.is_err() {
+                    return Ok(());
+                }
+            }
+            WorkerMsg::AbortSeen { generation, .. } => {
+                if events
+                    .send(Wire::AbortSeen { worker, generation })
+                    .await
+                    .is_err()
+                {
                     return Ok(());
                 }
             }

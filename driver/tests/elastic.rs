@@ -260,9 +260,24 @@ fn a_worker_stopped_during_a_round_is_declared_failed_and_the_round_goes_on() {
     let t = Instant::now();
     job.wait_step(1, 2);
     let took = t.elapsed();
+    eprintln!("training went on at size 2 {took:?} after the death");
     let (code, err, lines) = job.finish();
     assert_eq!(code, 0, "{err}");
     assert_eq!(check_counter(&lines, 250), 2);
+    assert!(
+        err.contains("telling the round's other members to abort"),
+        "{err}"
+    );
+    // The two on 127.0.0.2 answer the abort; the stopped one cannot.
+    let answered: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("worker answered the abort"))
+        .collect();
+    assert_eq!(answered.len(), 2, "{err}");
+    assert!(
+        answered.iter().all(|l| l.contains("host=127.0.0.2")),
+        "{err}"
+    );
     assert!(err.contains("did not join the round in time"), "{err}");
     assert!(took < Duration::from_secs(10), "recovery took {took:?}");
 }

@@ -35,6 +35,17 @@ pub enum WorkerMsg {
         /// Why it asks, for the driver's log.
         reason: String,
     },
+    /// The worker saw the driver's [`DriverMsg::Abort`] of round `generation`: it is alive
+    /// (a stopped process cannot answer), and joins the next round at its next collective,
+    /// which a long computation may delay.
+    AbortSeen {
+        /// The job's secret.
+        secret: String,
+        /// The worker's id.
+        worker: u64,
+        /// The aborted round.
+        generation: u64,
+    },
     /// The worker is leaving cleanly (`hvd::shutdown`).
     Goodbye {
         /// The job's secret.
@@ -50,6 +61,7 @@ impl WorkerMsg {
         match self {
             Self::Register { secret, .. }
             | Self::Join { secret, .. }
+            | Self::AbortSeen { secret, .. }
             | Self::Goodbye { secret, .. } => secret,
         }
     }
@@ -126,8 +138,8 @@ pub enum DriverMsg {
         reason: String,
     },
     /// Round `generation` lost a member: the worker cancels the round's collectives (a
-    /// survivor may be waiting on a hung peer, never reading from the dead one's connection)
-    /// and joins the next round.
+    /// survivor may be waiting on a hung peer, never reading from the dead one's connection),
+    /// answers [`WorkerMsg::AbortSeen`] at once, and joins the next round.
     Abort {
         /// The failed round.
         generation: u64,
@@ -204,6 +216,13 @@ mod tests {
             "{line:?}"
         );
         assert_eq!(decode_line::<DriverMsg>(&line).unwrap(), a);
+        let seen = WorkerMsg::AbortSeen {
+            secret: "s".into(),
+            worker: 2,
+            generation: 4,
+        };
+        let line = encode_line(&seen).unwrap();
+        assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), seen);
     }
 
     #[test]

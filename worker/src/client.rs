@@ -81,7 +81,9 @@ impl Inbox {
 /// An open rendezvous connection.
 #[derive(Debug)]
 pub(crate) struct Client {
-    stream: TcpStream,
+    /// Written by this side and by the reader thread (which answers aborts), one line at a
+    /// time.
+    stream: Arc<Mutex<TcpStream>>,
     leaving: Arc<AtomicBool>,
     rounds: mpsc::Receiver<DriverMsg>,
     pub inbox: Arc<Inbox>,
@@ -171,12 +173,17 @@ impl Client {
         let leaving = Arc::new(AtomicBool::new(false));
         let inbox = Arc::new(Inbox::default());
         let (tx, rounds) = mpsc::channel();
+        let stream = Arc::new(Mutex::new(stream));
         spawn_reader(
             reader,
-            Arc::clone(&leaving),
-            Arc::clone(&inbox),
-            tx,
-            l.worker,
+            Reader {
+                leaving: Arc::clone(&leaving),
+                inbox: Arc::clone(&inbox),
+                rounds: tx,
+                answer: Arc::clone(&stream),
+                secret: l.secret.clone(),
+                worker: l.worker,
+            },
         );
         let mut client = Self {
             stream,
@@ -205,9 +212,7 @@ impl Client {
             reason: reason.to_string(),
         };
         let line = encode_line(&msg).map_err(|e| self.fail(e.to_string()))?;
-        self.stream
-            .write_all(&line)
-            .map_err(|e| self.fail(format!("asking to join: {e}")))?;
+        write_line(&self.stream, &line).map_err(|e| self.fail(format!("asking to join: {e}")))?;
         self.wait_round()
     }
 
@@ -283,7 +288,7 @@ impl Client {
     }
 
     /// Tells the driver this worker is leaving cleanly and closes the connection.
-    pub(crate) fn goodbye(mut self) {
+    pub(crate) fn goodbye(self) {
         self.leaving.store(true, Ordering::SeqCst);
         let msg = WorkerMsg::Goodbye {
             secret: self.secret.clone(),
@@ -291,10 +296,28 @@ impl Client {
         };
         if let Ok(line) = encode_line(&msg) {
             // The driver may already be gone at exit; nothing is lost then.
-            let _ = self.stream.write_all(&line);
+            let _ = write_line(&self.stream, &line);
         }
-        let _ = self.stream.shutdown(Shutdown::Both);
+        let stream = self.stream.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = stream.shutdown(Shutdown::Both);
     }
+}
+
+/// Writes one whole line to the driver connection.
+fn write_line(stream: &Mutex<TcpStream>, line: &[u8]) -> std::io::Result<()> {
+    let mut s = stream.lock().unwrap_or_else(PoisonError::into_inner);
+    s.write_all(line)
+}
+
+/// What the reader thread needs besides the connection it reads.
+struct Reader {
+    leaving: Arc<AtomicBool>,
+    inbox: Arc<Inbox>,
+    rounds: mpsc::Sender<DriverMsg>,
+    /// The connection's writing side, to answer aborts.
+    answer: Arc<Mutex<TcpStream>>,
+    secret: String,
+    worker: u64,
 }
 
 fn read_line(r: &mut BufReader<TcpStream>, buf: &mut Vec<u8>) -> std::io::Result<usize> {
@@ -304,16 +327,20 @@ fn read_line(r: &mut BufReader<TcpStream>, buf: &mut Vec<u8>) -> std::io::Result
 }
 
 /// Reads the driver connection: rank tables and removals go to `rounds`, host changes to the
-/// inbox. If the connection closes while this worker has not said goodbye, the driver is gone
-/// (killed, or the job is over) and this worker exits: a worker must never be left behind by
-/// its launcher.
-fn spawn_reader(
-    mut reader: BufReader<TcpStream>,
-    leaving: Arc<AtomicBool>,
-    inbox: Arc<Inbox>,
-    rounds: mpsc::Sender<DriverMsg>,
-    worker: u64,
-) {
+/// inbox; an abort fails the round's communicators and is answered at once, so the driver
+/// knows this worker is alive even while a long computation keeps it from its next
+/// collective. If the connection closes while this worker has not said goodbye, the driver is
+/// gone (killed, or the job is over) and this worker exits: a worker must never be left
+/// behind by its launcher.
+fn spawn_reader(mut reader: BufReader<TcpStream>, r: Reader) {
+    let Reader {
+        leaving,
+        inbox,
+        rounds,
+        answer,
+        secret,
+        worker,
+    } = r;
     let spawned = thread::Builder::new()
         .name("hvd-driver-watch".into())
         .spawn(move || {
@@ -328,6 +355,17 @@ fn spawn_reader(
                         }
                         Ok(DriverMsg::Abort { generation, reason }) => {
                             tracing::warn!(generation, %reason, "the driver aborted the round");
+                            // Answered before the abort: the join request the failed
+                            // collectives lead to comes after it on this connection.
+                            let seen = WorkerMsg::AbortSeen {
+                                secret: secret.clone(),
+                                worker,
+                                generation,
+                            };
+                            // A failed write means the driver is gone: the read ends next.
+                            if let Ok(line) = encode_line(&seen) {
+                                let _ = write_line(&answer, &line);
+                            }
                             inbox.abort(generation, &reason);
                         }
                         Ok(msg) => {

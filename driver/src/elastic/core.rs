@@ -64,6 +64,14 @@ pub enum Input {
         /// Why, in its words.
         reason: String,
     },
+    /// A member answered the abort of round `generation`: it is alive, and joins at its next
+    /// collective.
+    AbortSeen {
+        /// The worker.
+        worker: WorkerId,
+        /// The aborted round.
+        generation: u64,
+    },
     /// A worker process ended.
     Exited {
         /// The worker.
@@ -225,6 +233,8 @@ pub struct Core {
     current: Vec<WorkerId>,
     /// A new round is needed.
     pending: bool,
+    /// The last round whose members were told to abort (0: none): they are told once.
+    aborted: u64,
     /// When the job began waiting for enough slots.
     waiting_since: Option<Duration>,
     /// The last host assignment announced, so each change is announced once.
@@ -267,6 +277,7 @@ impl Core {
             resets: 0,
             current: Vec::new(),
             pending: true,
+            aborted: 0,
             waiting_since: Some(Duration::ZERO),
             announced: None,
             next_update: 1,
@@ -390,6 +401,7 @@ impl Core {
                 }
             }
             Input::Joined { worker, reason } => self.joined(now, worker, &reason, &mut out),
+            Input::AbortSeen { worker, generation } => self.abort_seen(now, worker, generation),
             Input::Exited { worker, exit } => self.exited(now, worker, &exit, &mut out),
             Input::Tick => {}
         }
@@ -475,6 +487,25 @@ impl Core {
                 self.workers.get(&id).map_or("?", |w| w.host.as_str())
             );
             self.finish(out, 1, msg);
+        }
+    }
+
+    /// A member that answers the abort is alive, not hung: it may finish a long computation
+    /// before its next collective fails, so it gets `--elastic-timeout` to join instead of
+    /// `--start-timeout`.
+    fn abort_seen(&mut self, now: Duration, id: WorkerId, generation: u64) {
+        if generation != self.generation || !self.current.contains(&id) {
+            return;
+        }
+        if let Some(w) = self.workers.get_mut(&id) {
+            if w.phase == Phase::Running && w.due.is_some() {
+                tracing::info!(
+                    worker = id,
+                    host = %w.host,
+                    "worker answered the abort: alive, it joins at its next collective"
+                );
+                w.due = Some(now + self.cfg.elastic_timeout);
+            }
         }
     }
 
@@ -589,7 +620,8 @@ impl Core {
             // A survivor blocked on a hung member never reads the dead one's connection: only
             // this tells it the round is over.
             let running = self.running_members();
-            if !running.is_empty() {
+            if !running.is_empty() && self.aborted < self.generation {
+                self.aborted = self.generation;
                 tracing::info!(
                     round = self.generation,
                     workers = ?running,
@@ -1314,7 +1346,7 @@ mod tests {
     }
 
     #[test]
-    fn a_death_aborts_the_round_and_a_member_that_then_hangs_is_declared_failed() {
+    fn a_death_aborts_the_round_a_stopped_member_is_declared_failed_a_busy_one_waited_for() {
         let (mut core, ids) = running(cfg(4, 2, 4), &[("a", 2), ("b", 1), ("c", 1)]);
         // The worker on c is stopped (it answers nothing); then the one on b dies. The workers
         // on a wait on c's, never reading b's connection: the core must tell them.
@@ -1335,27 +1367,74 @@ mod tests {
             Some(secs(35)),
             "every member gets a deadline"
         );
+        // Both on a answer at once; one is in a long computation and joins much later.
         for &w in &ids[..2] {
-            let a = core.handle(
-                secs(6),
-                Input::Joined {
-                    worker: w,
-                    reason: "communicator aborted".into(),
-                },
-            );
-            assert!(
-                worlds(&a).is_empty(),
-                "the round waits for c's worker: {a:?}"
-            );
+            let seen = Input::AbortSeen {
+                worker: w,
+                generation: 1,
+            };
+            assert!(core.handle(secs(5), seen).is_empty());
         }
+        // An answer for another round changes nothing.
+        let stale = Input::AbortSeen {
+            worker: ids[3],
+            generation: 0,
+        };
+        assert!(core.handle(secs(5), stale).is_empty());
+        let a = core.handle(
+            secs(6),
+            Input::Joined {
+                worker: ids[1],
+                reason: "communicator aborted".into(),
+            },
+        );
+        assert!(worlds(&a).is_empty(), "the round waits: {a:?}");
         assert!(core.handle(secs(34), Input::Tick).is_empty());
         let a = core.handle(secs(35), Input::Tick);
-        assert!(a.contains(&Action::Stop { worker: ids[3] }), "{a:?}");
+        assert_eq!(
+            a,
+            vec![Action::Stop { worker: ids[3] }],
+            "only the silent one is declared failed; no member is left running to abort"
+        );
         assert!(
-            !a.iter().any(|x| matches!(x, Action::Abort { .. })),
-            "no member is left running to abort: {a:?}"
+            core.live_workers().contains(&ids[0]),
+            "the busy one answered the abort: it is alive"
+        );
+        let a = core.handle(
+            secs(100),
+            Input::Joined {
+                worker: ids[0],
+                reason: "communicator aborted".into(),
+            },
         );
         assert_eq!(worlds(&a), vec![(ids[0], 0, 2), (ids[1], 1, 2)]);
+    }
+
+    #[test]
+    fn a_busy_member_that_never_joins_is_declared_failed_after_the_elastic_timeout() {
+        let (mut core, ids) = running(cfg(3, 2, 3), &[("a", 1), ("b", 1), ("c", 1)]);
+        core.handle(
+            secs(5),
+            Input::Exited {
+                worker: ids[2],
+                exit: killed(),
+            },
+        );
+        let seen = Input::AbortSeen {
+            worker: ids[1],
+            generation: 1,
+        };
+        core.handle(secs(5), seen);
+        core.handle(
+            secs(5),
+            Input::Joined {
+                worker: ids[0],
+                reason: "peer lost".into(),
+            },
+        );
+        assert_eq!(core.next_deadline(), Some(secs(605)));
+        let a = core.handle(secs(605), Input::Tick);
+        assert!(a.contains(&Action::Stop { worker: ids[1] }), "{a:?}");
     }
 
     #[test]

@@ -406,6 +406,9 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
                     tracing::debug!(worker, generation, "join request");
                     d.feed(Input::Joined { worker, reason });
                 }
+                Wire::AbortSeen { worker, generation } => {
+                    d.feed(Input::AbortSeen { worker, generation });
+                }
                 Wire::Left { worker, clean } => {
                     tracing::debug!(worker, clean, "worker connection closed");
                 }

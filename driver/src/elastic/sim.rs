@@ -5,7 +5,9 @@
 //! random delay. It plays the workers' part: a worker asks to join the next round after an
 //! announced host change, when the core aborts its round, or when a peer of its round died,
 //! left or hung, since its collectives then fail (but a death goes unnoticed while a hung
-//! member holds the round's collectives: only the core's abort tells the others). Meanwhile the cluster kills workers, hangs some, and changes what
+//! member holds the round's collectives: only the core's abort tells the others). Some
+//! members are busy, in a long computation, and notice only after the round timeout; every
+//! member that is not hung answers an abort at once. Meanwhile the cluster kills workers, hangs some, and changes what
 //! discovery reports: hosts come, go, crash and change their slots (to zero, where a scenario
 //! allows), some polls fail and some list no host at all. Then the churn stops, the job
 //! settles, and the workers of the last round exit 0. Time is simulated: the core gets an
@@ -68,6 +70,12 @@ const SETTLE_LIMIT: Duration = Duration::from_secs(4 * 3600);
 const REGISTER_MS: (u64, u64) = (500, 15_000);
 /// Milliseconds from noticing a failed peer or an announcement to asking to join.
 const JOIN_MS: (u64, u64) = (200, 8_000);
+/// Milliseconds a busy member (a long computation between collectives) takes to notice.
+const BUSY_MS: (u64, u64) = (40_000, 120_000);
+/// Chance that a member is busy when its round breaks.
+const BUSY: f64 = 0.05;
+/// Milliseconds before a member's driver connection answers an abort.
+const ABORT_SEEN_MS: (u64, u64) = (1, 300);
 /// Milliseconds before peers notice a hung member: their collectives time out.
 const PROGRESS_MS: (u64, u64) = (20_000, 60_000);
 
@@ -161,6 +169,8 @@ enum Event {
     Join(WorkerId, u64),
     /// A process ends (stopped, removed, or done training).
     Exit(WorkerId, bool),
+    /// A member answers the abort of round `.1`, unless it hangs.
+    AbortSeen(WorkerId, u64),
     /// Round `.0`'s members notice that a member hangs.
     Break(u64),
     /// Churn: a random worker is killed.
@@ -178,7 +188,11 @@ impl Event {
     fn of_worker(&self) -> bool {
         matches!(
             self,
-            Self::Register(_) | Self::Join(..) | Self::Exit(..) | Self::Break(_)
+            Self::Register(_)
+                | Self::Join(..)
+                | Self::Exit(..)
+                | Self::AbortSeen(..)
+                | Self::Break(_)
         )
     }
 }
@@ -572,6 +586,16 @@ impl Sim {
                 self.feed(Input::Joined { worker: id, reason })
             }
             Event::Exit(id, success) => self.exit(id, success),
+            Event::AbortSeen(id, g) => {
+                let p = &self.procs[&id];
+                if p.hung || p.life == Life::Dead {
+                    return Ok(());
+                }
+                self.feed(Input::AbortSeen {
+                    worker: id,
+                    generation: g,
+                })
+            }
             Event::Break(g) => {
                 self.break_round(g);
                 Ok(())
@@ -692,7 +716,11 @@ impl Sim {
             let m = self.members[i];
             let p = &self.procs[&m];
             if p.life == Life::Running(g) && !p.hung {
-                let d = self.rng.ms(JOIN_MS);
+                let d = if self.rng.chance(BUSY) {
+                    self.rng.ms(BUSY_MS)
+                } else {
+                    self.rng.ms(JOIN_MS)
+                };
                 self.push(d, Event::Join(m, g));
             }
         }
@@ -939,6 +967,11 @@ impl Sim {
                 t.u64(u64::from(exit.success));
             }
             Input::Tick => t.u64(6),
+            Input::AbortSeen { worker, generation } => {
+                t.u64(7);
+                t.u64(*worker);
+                t.u64(*generation);
+            }
         }
     }
 
@@ -1094,6 +1127,12 @@ impl Sim {
         });
         if held && self.broken < g {
             self.stats.held_aborts += 1;
+        }
+        for w in workers {
+            if !self.procs[w].hung {
+                let d = self.rng.ms(ABORT_SEEN_MS);
+                self.push(d, Event::AbortSeen(*w, g));
+            }
         }
         self.break_round(g);
         Ok(())
