@@ -173,7 +173,7 @@ mod tests {
             eprintln!("SKIP: transparent huge pages are off here ({mode:?})");
             return;
         }
-        let fallbacks = thp_fallbacks();
+        let fallbacks = crate::pages::thp_fault_fallbacks();
         let mut b = HugeBuffer::<u8>::zeroed(8 << 20).unwrap();
         assert!(b.advised());
         // The kernel merges adjacent mappings with the same flags, and other tests map advised
@@ -187,20 +187,10 @@ mod tests {
         let huge_kb = crate::pages::mapping_field(&smaps, b.as_ptr() as usize, "AnonHugePages")
             .and_then(|v| v.trim_end_matches("kB").trim().parse::<usize>().ok());
         let huge_kb = huge_kb.expect("the buffer's mapping is in smaps");
-        if huge_kb < 8192 && thp_fallbacks() > fallbacks {
+        if huge_kb < 8192 && crate::pages::thp_fault_fallbacks() > fallbacks {
             eprintln!("SKIP: the kernel had no free huge page ({huge_kb} kB of 8192 got one)");
             return;
         }
         assert_eq!(huge_kb, 8192, "only {huge_kb} kB of 8 MiB on huge pages");
-    }
-
-    /// How often the kernel has fallen back to small pages for want of a free huge page.
-    fn thp_fallbacks() -> u64 {
-        std::fs::read_to_string("/proc/vmstat")
-            .unwrap_or_default()
-            .lines()
-            .find_map(|l| l.strip_prefix("thp_fault_fallback "))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
     }
 }

@@ -52,6 +52,6 @@ pub use engine::{Buffer, Compression, Engine, EngineConfig, Handle, Submitter};
 pub use error::{CommError, Result};
 pub use half::{bf16, f16};
 pub use link::AbortHandle;
-pub use pages::malloc_huge_pages;
+pub use pages::{malloc_huge_pages, thp_fault_fallbacks};
 pub use timeline::Timeline;
 pub use wire::{Descriptor, Kind};

@@ -30,6 +30,18 @@ pub fn malloc_huge_pages() -> Option<bool> {
     Some(flags.split_whitespace().any(|f| f == "hg"))
 }
 
+/// How often the kernel has backed a huge-page fault with small pages for want of a free huge
+/// page (`thp_fault_fallback` in `/proc/vmstat`; 0 where unknown). A rise across an allocation
+/// tells a short kernel from an allocation that never asked.
+pub fn thp_fault_fallbacks() -> u64 {
+    std::fs::read_to_string("/proc/vmstat")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("thp_fault_fallback "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// The value of `field` (`VmFlags`, `AnonHugePages`, …) of the mapping holding `addr` in a
 /// `/proc/<pid>/smaps` text, trimmed.
 pub(crate) fn mapping_field<'a>(smaps: &'a str, addr: usize, field: &str) -> Option<&'a str> {

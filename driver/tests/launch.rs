@@ -570,16 +570,6 @@ fn hierarchical_allreduce_follows_placement_and_flags() {
     );
 }
 
-/// How often the kernel has fallen back to small pages for want of a free huge page.
-fn thp_fallbacks() -> u64 {
-    std::fs::read_to_string("/proc/vmstat")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("thp_fault_fallback "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
-}
-
 /// Workers ask glibc's and PyTorch's allocators for huge pages by default; `HVD_HUGE_PAGES=0`
 /// turns both off, and a variable the user set is left as it is.
 #[test]
@@ -604,14 +594,14 @@ fn workers_get_huge_pages_unless_told_otherwise() {
         if let Some(v) = var {
             cmd.env(v, value);
         }
-        let fallbacks = thp_fallbacks();
+        let fallbacks = hvd_collectives::thp_fault_fallbacks();
         let out = cmd
             .args(["-np", "2", "-H", "127.0.0.2:2", &probe])
             .output()
             .expect("run horovodrun");
         assert!(out.status.success(), "{}", text(&out.stderr));
         // A kernel short of free huge pages backs an advised buffer with small ones.
-        let short = thp_fallbacks() > fallbacks;
+        let short = hvd_collectives::thp_fault_fallbacks() > fallbacks;
         let seen: Vec<(Option<String>, Option<String>)> = topologies(&text(&out.stdout))
             .iter()
             .map(|v| {
