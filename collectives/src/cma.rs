@@ -22,7 +22,11 @@ static PROBE: u64 = 0x4856_4443_4d41_5052; // "HVDCMAPR"
 
 /// Affinity mask bytes in a record: CPUs 0 to 1023.
 const MASK_BYTES: usize = 128;
-const RECORD: usize = 4 + 8 + 36 + 24 + 4 + MASK_BYTES;
+const RECORD: usize = 4 + 8 + 36 + MAILBOX_LEN + 4 + MASK_BYTES;
+/// Where the mailbox record starts in a negotiation record, and its length.
+const MAILBOX_AT: usize = 48;
+const MAILBOX_LEN: usize = crate::mailbox::Remote::RECORD;
+const OFFER_AT: usize = MAILBOX_AT + MAILBOX_LEN;
 const NEGOTIATE_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn boot_id() -> Option<[u8; 36]> {
@@ -190,15 +194,9 @@ pub(crate) fn negotiate(
     if let Some(b) = me {
         record[12..48].copy_from_slice(&b);
     }
-    let own = crate::mailbox::Remote {
-        addr: mailbox.addr(),
-        stride: mailbox.stride_bytes(),
-        capacity: mailbox.capacity(),
-    };
-    for (i, v) in [own.addr, own.stride, own.capacity].into_iter().enumerate() {
-        record[48 + 8 * i..56 + 8 * i].copy_from_slice(&(v as u64).to_le_bytes());
-    }
-    offer.encode(&mut record[72..]);
+    let own = mailbox.remote();
+    record[MAILBOX_AT..OFFER_AT].copy_from_slice(&own.encode());
+    offer.encode(&mut record[OFFER_AT..]);
     let mut offers = vec![offer];
     let mut mailboxes = vec![own; streams.len()];
     let mut machine_ranks = 1;
@@ -218,20 +216,11 @@ pub(crate) fn negotiate(
         let mut a = [0u8; 8];
         a.copy_from_slice(&theirs[4..12]);
         pids[j] = Pid::from_raw(pid);
-        let field = |i: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&theirs[48 + 8 * i..56 + 8 * i]);
-            usize::try_from(u64::from_le_bytes(w)).unwrap_or(0)
-        };
-        mailboxes[j] = crate::mailbox::Remote {
-            addr: field(0),
-            stride: field(1),
-            capacity: field(2),
-        };
+        mailboxes[j] = crate::mailbox::Remote::decode(&theirs[MAILBOX_AT..OFFER_AT]);
         let same_host = host_of[j] == host_of[rank];
         if me.is_some_and(|b| b[..] == theirs[12..48]) {
             machine_ranks += 1;
-            offers.push(CoreOffer::decode(&theirs[72..]));
+            offers.push(CoreOffer::decode(&theirs[OFFER_AT..]));
         }
         if !(can[0] || (same_host && can[1])) {
             continue;

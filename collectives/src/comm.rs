@@ -83,7 +83,7 @@ impl Drop for Communicator {
         }
         let deadline = std::time::Instant::now() + self.cfg.progress_timeout;
         for p in (0..self.size()).filter(|&p| p != self.rank()) {
-            while let Ok(false) = crate::mailbox::peer_finished(pids[p], &remotes[p], seq) {
+            while let Ok(false) = crate::mailbox::peer_finished(&pids[p], &remotes[p], seq) {
                 if std::time::Instant::now() >= deadline || self.closed_peer(&[p]).is_some() {
                     break;
                 }
@@ -286,35 +286,18 @@ impl Communicator {
     fn share_mailboxes(&mut self) -> std::io::Result<()> {
         use std::io::{Read, Write};
         let mailbox = Mailbox::new(self.cfg.small_bytes);
-        let own = Remote {
-            addr: mailbox.addr(),
-            stride: mailbox.stride_bytes(),
-            capacity: mailbox.capacity(),
-        };
-        let mut record = [0u8; 24];
-        for (i, v) in [own.addr, own.stride, own.capacity].into_iter().enumerate() {
-            record[8 * i..8 * i + 8].copy_from_slice(&(v as u64).to_le_bytes());
-        }
+        let own = mailbox.remote();
         for w in self.writers.iter_mut().flatten() {
             w.set_write_timeout(Some(self.cfg.connect_timeout))?;
-            w.write_all(&record)?;
+            w.write_all(&own.encode())?;
         }
         let mut remotes = vec![own; self.size()];
         for (j, r) in self.readers.iter_mut().enumerate() {
             let Some(r) = r else { continue };
             r.set_read_timeout(Some(self.cfg.connect_timeout))?;
-            let mut theirs = [0u8; 24];
+            let mut theirs = [0u8; Remote::RECORD];
             r.read_exact(&mut theirs)?;
-            let field = |i: usize| {
-                let mut w = [0u8; 8];
-                w.copy_from_slice(&theirs[8 * i..8 * i + 8]);
-                usize::try_from(u64::from_le_bytes(w)).unwrap_or(0)
-            };
-            remotes[j] = Remote {
-                addr: field(0),
-                stride: field(1),
-                capacity: field(2),
-            };
+            remotes[j] = Remote::decode(&theirs);
         }
         self.forget_timeouts();
         let limit = remotes.iter().map(|m| m.capacity).min().unwrap_or(0);
@@ -749,7 +732,7 @@ impl Communicator {
             let mut i = 0;
             while i < pending.len() {
                 let p = pending[i];
-                match crate::mailbox::peek(pids[p], &remotes[p], d.seq, posted.len(), &mut inbox[p])
+                match crate::mailbox::peek(&pids[p], &remotes[p], d.seq, posted.len(), &mut inbox[p])
                 {
                     Ok(Some(head)) => {
                         descs[p] = match Descriptor::decode(&head) {
@@ -813,6 +796,86 @@ impl Communicator {
             }
         }
         self.agree(op, local, descs)
+    }
+
+    /// Whether a same-host reduce numbered `seq` writes into peers' buffers (a crowded host:
+    /// fewer cores than ranks, a call that gathers and stays on this host), and if so lets
+    /// peers write into this rank's buffers for it, before the call's opening tells them
+    /// where they are. Every rank gives the same answer: it depends only on what they agreed.
+    pub(crate) fn accept_pushes(&mut self, seq: u64, eligible: bool) -> bool {
+        let pushed =
+            eligible && self.mail.is_some() && self.crowded() && self.cores < self.size();
+        if pushed {
+            self.mailbox.accept_writes(seq);
+        }
+        pushed
+    }
+
+    /// Ends what [`Communicator::accept_pushes`] began. After a `completed` call every peer
+    /// wrote all it had to before the closing barrier; after a failed one, a peer may still
+    /// be writing, so this waits until every peer that announced writes for call `seq` has
+    /// withdrawn them or is gone. A peer still announcing them after the progress timeout is
+    /// frozen in the middle of writing into this rank's memory: it is killed, because the
+    /// buffers must not change once the call has returned.
+    pub(crate) fn refuse_pushes(&mut self, seq: u64, completed: bool) {
+        self.mailbox.refuse_writes();
+        if completed {
+            return;
+        }
+        let (Some((remotes, _)), Some(pids)) = (self.mail.as_ref(), self.cma.as_ref()) else {
+            return;
+        };
+        let started = std::time::Instant::now();
+        let mut killed = false;
+        for p in (0..self.size()).filter(|&p| p != self.rank()) {
+            let mut warned = false;
+            // An unreadable word means the peer's process is gone (or its memory is): it
+            // writes nothing more.
+            while let Ok(true) = crate::mailbox::peer_writing(&pids[p], &remotes[p], seq) {
+                let waited = started.elapsed();
+                // Ranks that are threads of this process (tests) are never frozen alone.
+                if !killed
+                    && waited >= self.cfg.progress_timeout
+                    && pids[p] != nix::unistd::Pid::this()
+                {
+                    tracing::error!(
+                        rank = p,
+                        pid = pids[p].as_raw(),
+                        waited = ?waited,
+                        "a peer frozen while writing into this rank's buffers is killed"
+                    );
+                    let _ = nix::sys::signal::kill(pids[p], nix::sys::signal::Signal::SIGKILL);
+                    killed = true;
+                } else if !warned && waited >= Duration::from_secs(1) {
+                    tracing::warn!(
+                        rank = p,
+                        "a failed call waits for a peer that may still write into this rank's buffers"
+                    );
+                    warned = true;
+                }
+                thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
+
+    /// Announces that this rank writes into its peers' buffers for call `seq`.
+    pub(crate) fn begin_pushes(&self, seq: u64) {
+        self.mailbox.begin_writes(seq);
+    }
+
+    /// Withdraws [`Communicator::begin_pushes`].
+    pub(crate) fn end_pushes(&self) {
+        self.mailbox.end_writes();
+    }
+
+    /// Whether peer `p` still accepts writes into its buffers for call `seq`.
+    pub(crate) fn peer_accepts_pushes(&self, p: usize, seq: u64) -> std::io::Result<bool> {
+        match (self.mail.as_ref(), self.cma.as_ref()) {
+            (Some((remotes, _)), Some(pids)) => {
+                crate::mailbox::peer_accepts_writes(&pids[p], &remotes[p], seq)
+            }
+            _ => Ok(false),
+        }
     }
 
     /// The first of `peers` whose connection has closed (its process is gone or it failed).

@@ -15,7 +15,7 @@ use crate::error::{CommError, Result};
 use crate::link::read_full;
 
 const HELLO_MAGIC: u32 = 0x4856_4448; // "HVDH"
-const PROTOCOL_VERSION: u8 = 3;
+const PROTOCOL_VERSION: u8 = 4;
 /// The hello's `to` word: the rank in the low 24 bits, the stream's index in the next 4, the
 /// stream count in the top 4.
 const RANK_BITS: u32 = 24;

@@ -46,6 +46,19 @@ const SAME_HOST_STAGING: usize = 768 * 1024;
 /// Bytes of an accumulator reduced against every source before moving on: a slice of L1.
 const REDUCE_STRETCH: usize = 8 * 1024;
 
+/// What one same-host reduce call is: its name and number, every rank's process, the op,
+/// whether it gathers the result, and whether crowded-host writes ([`Communicator::accept_pushes`])
+/// are on for it.
+#[derive(Clone, Copy)]
+struct SameHostCall<'a> {
+    name: &'static str,
+    seq: u64,
+    pids: &'a [nix::unistd::Pid],
+    op: ReduceOp,
+    allgather: bool,
+    pushed: bool,
+}
+
 fn desc<T: Element>(kind: Kind, op: Option<ReduceOp>, seq: u64, count: usize) -> Descriptor {
     Descriptor {
         kind,
@@ -272,7 +285,8 @@ impl Communicator {
         mine.payload_len = word.len() as u64;
         let mut addrs = vec![0usize; n];
         addrs[r] = buf.as_ptr() as usize;
-        self.open(
+        let pushed = self.accept_pushes(mine.seq, allgather && cross.is_none());
+        let opened = self.open(
             mine,
             Ok(()),
             |_| (mine, &word[..]),
@@ -285,10 +299,24 @@ impl Communicator {
                 addrs[p] = usize::try_from(u64::from_le_bytes(b)).unwrap_or(0);
                 Ok(())
             },
-        )?;
-        let mut bufs = [buf];
-        let addrs: Vec<Vec<usize>> = addrs.into_iter().map(|a| vec![a]).collect();
-        self.reduce_blocks_same_host(name, &mut bufs, &addrs, pids, op, allgather, cross)
+        );
+        let done = opened.and_then(|_| {
+            let mut bufs = [buf];
+            let addrs: Vec<Vec<usize>> = addrs.into_iter().map(|a| vec![a]).collect();
+            let work = SameHostCall {
+                name,
+                seq: mine.seq,
+                pids,
+                op,
+                allgather,
+                pushed,
+            };
+            self.reduce_blocks_same_host(&work, &mut bufs, &addrs, cross)
+        });
+        if pushed {
+            self.refuse_pushes(mine.seq, done.is_ok());
+        }
+        done
     }
 
     /// The work of the same-host reduce, on the virtual concatenation of `bufs` (one tensor,
@@ -300,17 +328,33 @@ impl Communicator {
     /// each finished chunk into every peer, and one barrier over the sockets ends the call.
     /// With `cross` (one tensor), each block is allreduced among the other hosts' ranks of the
     /// same local index before the gather.
-    #[allow(clippy::too_many_arguments)]
+    ///
+    /// What keeps every buffer safe:
+    /// - Reads: the addresses come from this call's own opening, and every read of a peer's
+    ///   buffer is followed by a barrier that peer must pass too. A peer that left the call
+    ///   early (it failed, or was aborted) closed its sockets, so the reader's barrier fails
+    ///   and whatever it read is never returned as a result.
+    /// - Writes (crowded hosts): a rank writes into a peer only after announcing it
+    ///   (`begin_writes`) and seeing that the peer still accepts writes for this very call
+    ///   (its `open` word holds this call's tag), and checks again before every chunk. A rank
+    ///   leaving the call on a failure first stops accepting writes, then waits until no peer
+    ///   that announced writes for the call still has them under way
+    ///   ([`Communicator::refuse_pushes`]), so its buffers never change after it returns.
     fn reduce_blocks_same_host<T: Element>(
         &mut self,
-        name: &'static str,
+        work: &SameHostCall<'_>,
         bufs: &mut [&mut [T]],
         addrs: &[Vec<usize>],
-        pids: &[nix::unistd::Pid],
-        op: ReduceOp,
-        allgather: bool,
         cross: Option<&mut Communicator>,
     ) -> Result<()> {
+        let SameHostCall {
+            name,
+            seq,
+            pids,
+            op,
+            allgather,
+            pushed,
+        } = *work;
         let (n, r) = (self.size(), self.rank());
         let starts = prefix_sums(&bufs.iter().map(|b| b.len()).collect::<Vec<_>>());
         let total = starts[bufs.len()];
@@ -318,11 +362,15 @@ impl Communicator {
         // With more ranks than cores, only one rank per core reduces (the others would just
         // take turns with it) and it writes its finished block straight into every peer's
         // buffers: one barrier, no gather, no rank waiting on a descheduled block owner.
-        let workers = if allgather && cross.is_none() && self.crowded() {
+        let workers = if pushed {
             self.shared_cores().clamp(1, n)
         } else {
             n
         };
+        let writer = workers < n && r < workers;
+        if writer {
+            self.begin_pushes(seq);
+        }
         let blocks = block_bounds(total, workers);
         let (lo, hi) = if r < workers {
             (blocks[r], blocks[r + 1])
@@ -367,11 +415,24 @@ impl Communicator {
                 }
                 taken += plen;
             }
-            // A crowded host's reducer pushes each finished chunk while it is still in cache.
-            if workers < n {
-                for &(i, off, plen) in &parts {
-                    let raw: &[u8] = bytemuck::cast_slice(&bufs[i][off..off + plen]);
-                    for p in (1..n).map(|k| (r + k) % n) {
+            // A crowded host's reducer pushes each finished chunk while it is still in cache,
+            // into peers still in this call.
+            if writer {
+                for p in (1..n).map(|k| (r + k) % n) {
+                    match self.peer_accepts_pushes(p, seq) {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            let e = std::io::Error::other("it left the call");
+                            failed = Some((p, e));
+                            break 'reduce;
+                        }
+                        Err(e) => {
+                            failed = Some((p, e));
+                            break 'reduce;
+                        }
+                    }
+                    for &(i, off, plen) in &parts {
+                        let raw: &[u8] = bytemuck::cast_slice(&bufs[i][off..off + plen]);
                         let to = addrs[p][i] + off * elem;
                         if let Err(e) = crate::cma::write_remote(pids[p], to, raw) {
                             failed = Some((p, e));
@@ -381,6 +442,9 @@ impl Communicator {
                 }
             }
             at += len;
+        }
+        if writer {
+            self.end_pushes();
         }
         self.staging = staging;
         if let Some((p, e)) = failed {
@@ -450,7 +514,8 @@ impl Communicator {
         let k = bufs.len();
         let mut addrs = vec![Vec::new(); n];
         addrs[r] = bufs.iter().map(|b| b.as_ptr() as usize).collect();
-        self.open(
+        let pushed = self.accept_pushes(seq, true);
+        let opened = self.open(
             mine,
             Ok(()),
             |_| (mine, &words[..]),
@@ -470,8 +535,20 @@ impl Communicator {
                     .collect();
                 Ok(())
             },
-        )?;
-        self.reduce_blocks_same_host("allreduce", bufs, &addrs, &pids, op, true, None)
+        );
+        let work = SameHostCall {
+            name: "allreduce",
+            seq,
+            pids: &pids,
+            op,
+            allgather: true,
+            pushed,
+        };
+        let done = opened.and_then(|_| self.reduce_blocks_same_host(&work, bufs, &addrs, None));
+        if pushed {
+            self.refuse_pushes(seq, done.is_ok());
+        }
+        done
     }
 
     /// Copies `buf` from rank `root` to every rank.

@@ -331,3 +331,53 @@ fn a_peer_with_another_stream_count_is_refused() {
             .contains("streams must be 1 to 15")
     );
 }
+
+/// On a crowded host one rank reduces and writes the result into every peer's buffer. A rank
+/// that leaves such a call on a failure (here an abort landing as soon as the reducer's first
+/// chunk reached it) must find its buffer untouched from the moment its call returns: the
+/// memory is the caller's again, and a write landing after that would corrupt whatever it
+/// holds by then.
+#[test]
+fn a_rank_leaving_a_crowded_call_gets_no_write_after_it_returns() {
+    let out = world_with(
+        4,
+        |cfg| cfg.cores = Some(1),
+        |comm| {
+            let mut buf = vec![1.0f32; 8 << 20];
+            if comm.rank() != 3 {
+                let _ = comm.allreduce(&mut buf, ReduceOp::Sum);
+                return None;
+            }
+            // Watches the buffer's first element (this process's own memory, read as a peer
+            // would) and aborts when the reducer's first write lands.
+            let abort = comm.abort_handle();
+            let addr = buf.as_ptr() as usize;
+            let watcher = thread::spawn(move || {
+                let me = nix::unistd::Pid::this();
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while Instant::now() < deadline {
+                    let mut w = [0u8; 4];
+                    let remote = [nix::sys::uio::RemoteIoVec { base: addr, len: 4 }];
+                    let mut local = [std::io::IoSliceMut::new(&mut w)];
+                    if nix::sys::uio::process_vm_readv(me, &mut local, &remote).is_ok()
+                        && f32::from_ne_bytes(w) == 4.0
+                    {
+                        break;
+                    }
+                }
+                abort.abort("simulated failure");
+            });
+            let result = comm.allreduce(&mut buf, ReduceOp::Sum);
+            watcher.join().expect("watcher");
+            let at_return = buf.clone();
+            thread::sleep(Duration::from_millis(300));
+            let changed = buf.iter().zip(&at_return).filter(|(a, b)| a != b).count();
+            let ones = at_return.iter().filter(|&&x| x == 1.0).count();
+            Some((result.is_err(), ones, changed))
+        },
+    );
+    let (failed, ones, changed) = out.into_iter().flatten().next().expect("rank 3's result");
+    assert!(failed, "the abort landed after the call");
+    assert!(ones > 0, "every write had landed before the call returned");
+    assert_eq!(changed, 0, "elements written after the call returned");
+}
