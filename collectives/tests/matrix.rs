@@ -7,7 +7,7 @@
 mod support;
 
 use hvd_collectives::{Communicator, ReduceOp, bf16, f16};
-use support::{TestElem, world, world_on, world_with};
+use support::{TestElem, assert_close, reduced, world, world_on, world_with};
 
 const OPS: [ReduceOp; 5] = [
     ReduceOp::Sum,
@@ -37,37 +37,8 @@ fn input<T: TestElem>(rank: usize, len: usize, op: ReduceOp, salt: usize) -> Vec
 
 fn reference<T: TestElem>(n: usize, len: usize, op: ReduceOp, salt: usize) -> Vec<T> {
     (0..len)
-        .map(|i| {
-            let vals = (0..n).map(|r| value(r, i, op, salt));
-            let v = match op {
-                ReduceOp::Sum => vals.sum(),
-                ReduceOp::Average => {
-                    let s: f64 = vals.sum();
-                    if T::from_f64(0.5).to_f64() == 0.0 {
-                        (s / n as f64).trunc()
-                    } else {
-                        s / n as f64
-                    }
-                }
-                ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
-                ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
-                ReduceOp::Product => vals.product(),
-            };
-            T::from_f64(v)
-        })
+        .map(|i| reduced::<T>((0..n).map(|r| value(r, i, op, salt)), n, op))
         .collect()
-}
-
-fn assert_close<T: TestElem>(got: &[T], want: &[T], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let (g, w) = (g.to_f64(), w.to_f64());
-        // Exact but for an average's one division, rounded once in the element type.
-        assert!(
-            (g - w).abs() <= w.abs() * 1e-2,
-            "{what}: element {i} is {g}, expected {w}"
-        );
-    }
 }
 
 fn check_dtype<T: TestElem>(comm: &mut Communicator) {

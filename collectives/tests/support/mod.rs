@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::thread;
 use std::time::Duration;
 
-use hvd_collectives::{CommConfig, Communicator, Element, bf16, f16};
+use hvd_collectives::{CommConfig, Communicator, Element, ReduceOp, bf16, f16};
 
 /// Runs `f` on every rank of a fresh world of `n` and returns the results by rank.
 pub fn world<R: Send>(n: usize, f: impl Fn(&mut Communicator) -> R + Sync) -> Vec<R> {
@@ -91,5 +91,38 @@ impl TestElem for bf16 {
     }
     fn to_f64(self) -> f64 {
         bf16::to_f64(self)
+    }
+}
+
+/// What `op` makes of every rank's value `vals` (in a world of `n`), computed in f64 and
+/// given in `T`: an average of an integer type truncates, as the collectives do.
+pub fn reduced<T: TestElem>(vals: impl Iterator<Item = f64>, n: usize, op: ReduceOp) -> T {
+    let v = match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Average => {
+            let s: f64 = vals.sum();
+            if T::from_f64(0.5).to_f64() == 0.0 {
+                (s / n as f64).trunc()
+            } else {
+                s / n as f64
+            }
+        }
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Product => vals.product(),
+    };
+    T::from_f64(v)
+}
+
+/// Asserts `got` is `want`, exactly but for an average's one division, rounded once in the
+/// element type; `what` names the call in the message.
+pub fn assert_close<T: TestElem>(got: &[T], want: &[T], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let (g, w) = (g.to_f64(), w.to_f64());
+        assert!(
+            (g - w).abs() <= w.abs() * 1e-2,
+            "{what}: element {i} is {g}, expected {w}"
+        );
     }
 }
