@@ -5,6 +5,23 @@
 //! ranks get bit-identical results. Larger buffers take the bandwidth-optimal ring
 //! (reduce-scatter then allgather, each rank sending 2(n−1)/n of the buffer), a pipelined chain
 //! (broadcast) or a pairwise exchange (allgather, alltoall).
+//!
+//! Ranks of one host reach into each other's memory, and each way is safe for its own reason:
+//! - **Mailboxes** (small calls): every post is tagged with its mailbox's nonce and its call
+//!   number and read header first (see [`crate::mailbox`]), so neither a post of another
+//!   communicator nor a half-copied one is ever taken.
+//! - **Direct reads** (large calls: the reduce's blocks and gather, broadcast from the root,
+//!   allgather and alltoall parts): the addresses ride in this call's own opening, and every
+//!   read is followed by a barrier the owner must pass too, so an owner keeps its buffer
+//!   untouched until every reader is done, and a reader whose owner left early fails the call
+//!   instead of returning what it read.
+//! - **Crowded-host writes**: a rank writes into a peer only while the peer accepts writes for
+//!   this very call, and a rank leaving a failed call waits until no writer is still at it
+//!   ([`Communicator::reduce_blocks_same_host`]).
+//! - **Hierarchical halves**: the host half is a communicator of its own (its own mailboxes,
+//!   nonces and call numbers) and the cross half uses the sockets only; both run inside one
+//!   call of the world, in the same order on every rank, and a failure of either closes the
+//!   world's sockets, which they share.
 
 use crate::comm::{Communicator, block_bounds, ring_schedule, segment_bounds, take_payload};
 use crate::dtype::{Element, ReduceOp};
