@@ -486,7 +486,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
                     tracing::warn!(rank = worker, %reason, "a worker of a static job asked for a new round; static jobs have one");
                 }
                 // A static job never aborts a round.
-                Wire::AbortSeen { .. } | Wire::Left { .. } => {}
+                Wire::AbortSeen { .. } | Wire::Synced { .. } | Wire::Left { .. } => {}
             },
             ev = rx.recv() => match ev {
                 Some(Exit { worker, end }) => {

@@ -65,6 +65,13 @@ pub enum Wire {
         /// The aborted round.
         generation: u64,
     },
+    /// A registered worker completed the state sync of round `generation`.
+    Synced {
+        /// The worker.
+        worker: u64,
+        /// The round.
+        generation: u64,
+    },
     /// A registered worker's connection closed; `clean` when it said goodbye first.
     Left {
         /// The worker.
@@ -202,6 +209,15 @@ async fn handle(
             WorkerMsg::AbortSeen { generation, .. } => {
                 if events
                     .send(Wire::AbortSeen { worker, generation })
+                    .await
+                    .is_err()
+                {
+                    return Ok(());
+                }
+            }
+            WorkerMsg::Synced { generation, .. } => {
+                if events
+                    .send(Wire::Synced { worker, generation })
                     .await
                     .is_err()
                 {

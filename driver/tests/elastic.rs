@@ -111,6 +111,70 @@ fn hosts_added_and_removed_in_one_poll() {
     assert_eq!(steps_rerun(&lines), 0);
 }
 
+/// A spot fleet replaces every host at once: the hosts holding the committed state leave
+/// discovery in the poll that brings the new ones, before any new worker joined. One old worker
+/// trains on for one more round, whose sync takes the state from it, then exits 0.
+#[test]
+fn draining_every_host_that_holds_the_state_hands_it_over_first() {
+    let flags = &["-np", "4", "--min-np", "2", "--max-np", "4"];
+    let mut job = Job::start("drain-all", HOSTS2, flags, COUNTER);
+    let before = job.wait_step(20, 4).v["total"].as_u64().unwrap_or(0);
+    job.set_hosts(&["127.0.0.4:2", "127.0.0.5:2"]);
+    job.wait_stderr("kept for one more round");
+    let after = job.wait_for("a step of the new fleet alone", |l| {
+        l.v["event"] == "step" && l.worker >= 4 && l.v["rank"] == 0
+    });
+    assert!(
+        after.v["total"].as_u64().unwrap_or(0) > before,
+        "the new fleet started from an older state: {} after {before}",
+        after.v
+    );
+    let left = job.wait_stderr("the worker kept for the state left");
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 4);
+    assert_eq!(steps_rerun(&lines), 0, "a drain rolled back");
+    assert!(left.contains("exited with code 0"), "{left}");
+    assert!(
+        !err.contains("state is lost") && !err.contains("blacklisted"),
+        "{err}"
+    );
+    let done: Vec<u64> = lines
+        .iter()
+        .filter(|l| l.v["event"] == "done")
+        .map(|l| l.worker)
+        .collect();
+    assert!(
+        done.iter().all(|&w| w >= 4),
+        "only the new fleet finishes: {done:?}"
+    );
+}
+
+/// The old hosts leave just after the new fleet joined them in a round: its workers hold the
+/// state already, and the old ones exit 0 at once.
+#[test]
+fn draining_the_old_hosts_after_the_new_fleet_joined() {
+    let flags = &["-np", "4", "--min-np", "2", "--max-np", "8"];
+    let mut job = Job::start("drain-joined", HOSTS2, flags, COUNTER);
+    job.wait_step(20, 4);
+    let fleet = ["127.0.0.4:2", "127.0.0.5:2"];
+    job.set_hosts(&[HOSTS2, &fleet].concat());
+    job.wait_step(1, 8);
+    job.set_hosts(&fleet);
+    job.wait_for("a step of the new fleet alone", |l| {
+        l.v["event"] == "step" && l.v["size"] == 4 && l.worker >= 4
+    });
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 4);
+    assert_eq!(steps_rerun(&lines), 0, "a drain rolled back");
+    assert!(
+        !err.contains("state is lost") && !err.contains("blacklisted"),
+        "{err}"
+    );
+    assert!(!err.contains("kept for one more round"), "{err}");
+}
+
 #[test]
 fn a_discovery_script_failing_on_its_first_run_fails_the_job() {
     let dir = scratch("disc-fail");

@@ -46,6 +46,17 @@ pub enum WorkerMsg {
         /// The aborted round.
         generation: u64,
     },
+    /// The worker completed the state sync of round `generation`: it holds the job's newest
+    /// committed state. A worker whose host was drained while no other worker held that state
+    /// is kept in the job until another member of its round says this.
+    Synced {
+        /// The job's secret.
+        secret: String,
+        /// The worker's id.
+        worker: u64,
+        /// The round whose sync completed.
+        generation: u64,
+    },
     /// The worker is leaving cleanly (`hvd::shutdown`).
     Goodbye {
         /// The job's secret.
@@ -62,6 +73,7 @@ impl WorkerMsg {
             Self::Register { secret, .. }
             | Self::Join { secret, .. }
             | Self::AbortSeen { secret, .. }
+            | Self::Synced { secret, .. }
             | Self::Goodbye { secret, .. } => secret,
         }
     }
@@ -223,6 +235,15 @@ mod tests {
         };
         let line = encode_line(&seen).unwrap();
         assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), seen);
+        let synced = WorkerMsg::Synced {
+            secret: "s".into(),
+            worker: 2,
+            generation: 5,
+        };
+        let line = encode_line(&synced).unwrap();
+        assert!(line.starts_with(br#"{"type":"synced","#), "{line:?}");
+        assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), synced);
+        assert_eq!(synced.secret(), "s");
     }
 
     #[test]

@@ -287,6 +287,21 @@ impl Client {
         }
     }
 
+    /// Tells the driver this worker completed the state sync of round `generation`, so it
+    /// holds the newest committed state. A driver that is gone is noticed by the reader.
+    pub(crate) fn synced(&self, generation: u64) {
+        let msg = WorkerMsg::Synced {
+            secret: self.secret.clone(),
+            worker: self.worker,
+            generation,
+        };
+        if let Ok(line) = encode_line(&msg) {
+            if let Err(e) = write_line(&self.stream, &line) {
+                tracing::debug!(error = %e, "could not report the sync to the driver");
+            }
+        }
+    }
+
     /// Tells the driver this worker is leaving cleanly and closes the connection.
     pub(crate) fn goodbye(self) {
         self.leaving.store(true, Ordering::SeqCst);

@@ -222,7 +222,9 @@ impl<S: Syncable> State<S> {
     }
 
     /// Makes every rank hold the newest committed state: the value of the lowest rank among
-    /// those with the most commits is broadcast, and becomes everyone's last commit.
+    /// those with the most commits is broadcast, and becomes everyone's last commit. In an
+    /// elastic job the worker then tells the driver it holds the state: a worker whose host
+    /// was drained stays in the job until a worker that stays has said so.
     ///
     /// # Errors
     /// A collective error.
@@ -236,6 +238,7 @@ impl<S: Syncable> State<S> {
         self.commits = most.max(0) as u64;
         // Announcements this round already accounts for need no further round.
         self.handled_update = self.handled_update.max(crate::updates_through());
+        crate::report_synced();
         Ok(())
     }
 

@@ -284,6 +284,13 @@ pub(crate) fn generation() -> u64 {
         .map_or(0, |s| s.generation)
 }
 
+/// Tells the driver (elastic jobs) that this worker completed the state sync of its round.
+pub(crate) fn report_synced() {
+    if let Some(s) = context().as_ref().and_then(|c| c.session.as_ref()) {
+        s.client.synced(s.generation);
+    }
+}
+
 /// The newest host update the current round accounts for.
 pub(crate) fn updates_through() -> u64 {
     context()

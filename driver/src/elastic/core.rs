@@ -8,6 +8,13 @@
 //! A round assigns ranks over the available hosts in the order they first joined (new hosts
 //! after old ones, ties broken by name), so rank 0 is always a worker of the previous round
 //! and holds its newest committed state.
+//!
+//! A host that leaves discovery is drained: its workers leave gracefully. When that would
+//! leave the next round with no worker holding the committed state (every host that held it
+//! drained at once, the new ones not synced yet), one drained worker is kept as rank 0 of the
+//! next round, so that round's sync takes the state from it; once a member that stays reports
+//! its sync ([`Input::Synced`]), the workers move to a round without it and it exits 0. Only a
+//! failure can lose the state.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
@@ -63,6 +70,13 @@ pub enum Input {
         worker: WorkerId,
         /// Why, in its words.
         reason: String,
+    },
+    /// A worker completed the state sync of round `generation`: it holds the committed state.
+    Synced {
+        /// The worker.
+        worker: WorkerId,
+        /// The round.
+        generation: u64,
     },
     /// A member answered the abort of round `generation`: it is alive, and joins at its next
     /// collective.
@@ -205,6 +219,11 @@ struct Worker {
     phase: Phase,
     /// When it must be ready, if it is awaited.
     due: Option<Duration>,
+    /// Holds the committed state: it reported a completed sync, or it trained in the first
+    /// round (where every worker starts from the same state).
+    holds_state: bool,
+    /// Its host was drained, but it was kept in the last round to hand the state over.
+    kept: bool,
 }
 
 impl Worker {
@@ -251,6 +270,8 @@ pub struct Core {
     live_at: HashMap<(String, usize), WorkerId>,
     /// The reason of the last failed discovery poll, while polls keep failing.
     discovery_error: Option<String>,
+    /// The drained worker the pending round keeps for the state, as last logged.
+    keeping: Option<WorkerId>,
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -287,6 +308,7 @@ impl Core {
             cooldown_ends: HashMap::new(),
             live_at: HashMap::new(),
             discovery_error: None,
+            keeping: None,
         }
     }
 
@@ -402,6 +424,7 @@ impl Core {
             }
             Input::Joined { worker, reason } => self.joined(now, worker, &reason, &mut out),
             Input::AbortSeen { worker, generation } => self.abort_seen(now, worker, generation),
+            Input::Synced { worker, generation } => self.synced(worker, generation),
             Input::Exited { worker, exit } => self.exited(now, worker, &exit, &mut out),
             Input::Tick => {}
         }
@@ -490,6 +513,54 @@ impl Core {
         }
     }
 
+    /// A worker that completed a sync holds the committed state; the first member that stays
+    /// to do so releases a worker kept for the state.
+    fn synced(&mut self, id: WorkerId, generation: u64) {
+        if generation > self.generation {
+            return; // no such round: a confused worker
+        }
+        let handover = !self.state_held_by_stayer();
+        let Some(w) = self.workers.get_mut(&id) else {
+            return;
+        };
+        if !w.live() || w.holds_state {
+            return;
+        }
+        w.holds_state = true;
+        tracing::debug!(worker = id, host = %w.host, round = generation, "worker synced the state");
+        if handover && !w.kept && self.current.contains(&id) {
+            let kept: Vec<WorkerId> = self.kept_members();
+            if !kept.is_empty() {
+                let host = self.workers.get(&id).map_or("?", |w| w.host.as_str());
+                tracing::info!(
+                    round = generation,
+                    worker = id,
+                    %host,
+                    kept = ?kept,
+                    "the state was handed over: the kept worker leaves with the next round"
+                );
+            }
+        }
+    }
+
+    /// Live members of the last round kept there for the state although their host left.
+    fn kept_members(&self) -> Vec<WorkerId> {
+        self.current
+            .iter()
+            .copied()
+            .filter(|m| self.workers.get(m).is_some_and(|w| w.live() && w.kept))
+            .collect()
+    }
+
+    /// Whether a live member of the last round that was not kept for the state holds it.
+    fn state_held_by_stayer(&self) -> bool {
+        self.current.iter().any(|m| {
+            self.workers
+                .get(m)
+                .is_some_and(|w| w.live() && !w.kept && w.holds_state)
+        })
+    }
+
     /// A member that answers the abort is alive, not hung: it may finish a long computation
     /// before its next collective fails, so it gets `--elastic-timeout` to join instead of
     /// `--start-timeout`.
@@ -515,6 +586,7 @@ impl Core {
         };
         let phase = w.phase;
         let host = w.host.clone();
+        let kept = w.kept;
         w.phase = if phase == Phase::Running && exit.success {
             Phase::Finished
         } else {
@@ -522,6 +594,9 @@ impl Core {
         };
         w.due = None;
         match phase {
+            Phase::Leaving if kept => {
+                tracing::info!(worker = id, %host, exit = %exit.description, "the worker kept for the state left");
+            }
             Phase::Leaving | Phase::Exited | Phase::Finished => {
                 tracing::debug!(worker = id, %host, exit = %exit.description, "worker left");
             }
@@ -740,6 +815,8 @@ impl Core {
                 local_rank,
                 phase: Phase::Starting,
                 due: Some(now + self.cfg.round_timeout),
+                holds_state: false,
+                kept: false,
             },
         );
         out.push(Action::Start {
@@ -866,6 +943,7 @@ impl Core {
                 }
             }
         }
+        let (target, members, keeper) = self.keep_for_state(target, members);
         if self.generation > 0 && !members.iter().any(|m| self.current.contains(m)) {
             self.finish(
                 out,
@@ -886,14 +964,20 @@ impl Core {
             .map(|(id, _)| *id)
             .collect();
         for id in outside {
+            let mut reason = "its host left the job or the job shrank";
             if let Some(w) = self.workers.get_mut(&id) {
                 w.phase = Phase::Leaving;
                 w.due = None;
-                tracing::info!(worker = id, host = %w.host, "worker has no place in the next round");
+                if w.kept {
+                    reason = "its host left the job; the workers that stay hold the state it kept";
+                    tracing::info!(worker = id, host = %w.host, "the worker kept for the state leaves: the next round holds the state without it");
+                } else {
+                    tracing::info!(worker = id, host = %w.host, "worker has no place in the next round");
+                }
             }
             out.push(Action::Remove {
                 worker: id,
-                reason: "its host left the job or the job shrank".into(),
+                reason: reason.into(),
             });
         }
         if !members
@@ -916,11 +1000,16 @@ impl Core {
         }
         self.generation += 1;
         self.pending = false;
+        self.keeping = None;
         let hosts: Vec<String> = target.iter().map(|s| s.host.clone()).collect();
+        let first = self.generation == 1;
         for (s, &id) in target.iter().zip(&members) {
             if let Some(w) = self.workers.get_mut(&id) {
                 w.phase = Phase::Running;
                 w.due = None;
+                w.kept = keeper == Some(id);
+                // Every worker of the first round starts from the same state.
+                w.holds_state |= first;
             }
             out.push(Action::World {
                 worker: id,
@@ -932,11 +1021,12 @@ impl Core {
             });
         }
         self.current = members;
-        // The round's host order becomes the job's: hosts keep the place they trained at.
+        // The round's host order becomes the job's: hosts keep the place they trained at. A
+        // kept worker's host left discovery: back, it is new.
         let mut order: Vec<String> = Vec::with_capacity(self.order.len());
         let mut placed: HashSet<String> = HashSet::new();
         for h in target.iter().map(|s| &s.host) {
-            if placed.insert(h.clone()) {
+            if self.discovered.contains_key(h) && placed.insert(h.clone()) {
                 order.push(h.clone());
             }
         }
@@ -950,12 +1040,83 @@ impl Core {
             hosts = %self.announced_hosts.iter().cloned().collect::<Vec<_>>().join(","),
             "round complete; training at the new size"
         );
+        if let Some(k) = keeper {
+            tracing::info!(
+                round = self.generation,
+                worker = k,
+                host = %target[0].host,
+                "the round syncs from the worker kept for the state; it leaves once a worker that stays reports its sync"
+            );
+        }
+    }
+
+    /// When no member of the planned round holds the committed state, keeps a worker that
+    /// does, although its host was drained (left discovery, or lost its slots): it becomes
+    /// rank 0, and the round's last slot is left out if `--max-np` needs it (its worker joins
+    /// the round after, when the kept one has left). Returns the round, and the kept worker.
+    fn keep_for_state(
+        &mut self,
+        target: Vec<SlotInfo>,
+        members: Vec<WorkerId>,
+    ) -> (Vec<SlotInfo>, Vec<WorkerId>, Option<WorkerId>) {
+        let current: HashSet<WorkerId> = self.current.iter().copied().collect();
+        let held = members
+            .iter()
+            .any(|m| current.contains(m) && self.workers.get(m).is_some_and(|w| w.holds_state));
+        if self.generation == 0 || held {
+            return (target, members, None);
+        }
+        // A drained host's first worker (its slot stays local rank 0) that holds the state;
+        // its host is in no slot of the round, so the hosts stay contiguous.
+        let in_target: HashSet<&str> = target.iter().map(|s| s.host.as_str()).collect();
+        let Some((keeper, host)) = self.current.iter().find_map(|m| {
+            let w = self.workers.get(m)?;
+            let drained = w.live()
+                && w.holds_state
+                && w.local_rank == 0
+                && !in_target.contains(w.host.as_str());
+            drained.then(|| (*m, w.host.clone()))
+        }) else {
+            return (target, members, None);
+        };
+        let mut hosts = vec![HostSlots { host, slots: 1 }];
+        for s in &target {
+            match hosts.last_mut() {
+                Some(h) if h.host == s.host => h.slots += 1,
+                _ => hosts.push(HostSlots {
+                    host: s.host.clone(),
+                    slots: 1,
+                }),
+            }
+        }
+        let n = (target.len() + 1).min(self.cfg.max_np);
+        let Ok(kept_target) = assign_static(&hosts, n) else {
+            return (target, members, None);
+        };
+        if self.keeping != Some(keeper) {
+            self.keeping = Some(keeper);
+            let w = self.workers.get(&keeper);
+            tracing::info!(
+                worker = keeper,
+                host = %w.map_or("?", |w| w.host.as_str()),
+                "the host of the worker left, but no worker of the next round holds the committed state yet: the worker is kept for one more round to hand it over"
+            );
+        }
+        let kept_members = std::iter::once(keeper)
+            .chain(members)
+            .take(kept_target.len())
+            .collect();
+        (kept_target, kept_members, Some(keeper))
     }
 
     /// Outside a round: when the host set's assignment changed, starts the workers new slots
     /// need and, once they are all connected, tells the running workers to move.
     fn prepare_change(&mut self, now: Duration, out: &mut Vec<Action>) {
         if self.generation == 0 {
+            return;
+        }
+        // A worker kept for the state leaves only once a member that stays holds the state.
+        if !self.kept_members().is_empty() && !self.state_held_by_stayer() {
             return;
         }
         let target = self.target();
@@ -1570,5 +1731,270 @@ mod tests {
             core.handle(secs(5), Input::DiscoveryFailed("exit 3".into()))
                 .is_empty()
         );
+    }
+
+    fn joined(core: &mut Core, at: u64, id: WorkerId) -> Vec<Action> {
+        core.handle(
+            secs(at),
+            Input::Joined {
+                worker: id,
+                reason: "hosts updated".into(),
+            },
+        )
+    }
+
+    fn synced(core: &mut Core, at: u64, id: WorkerId) -> Vec<Action> {
+        let generation = core.generation();
+        core.handle(
+            secs(at),
+            Input::Synced {
+                worker: id,
+                generation,
+            },
+        )
+    }
+
+    fn removed(actions: &[Action]) -> Vec<WorkerId> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Remove { worker, .. } => Some(*worker),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn notified(actions: &[Action]) -> Option<(Vec<WorkerId>, Vec<String>, Vec<String>)> {
+        actions.iter().find_map(|a| match a {
+            Action::Notify {
+                workers,
+                added,
+                removed,
+                ..
+            } => Some((workers.clone(), added.clone(), removed.clone())),
+            _ => None,
+        })
+    }
+
+    /// Replaces the job's hosts `a` and `b` by `c` and `d` in one poll and registers the new
+    /// workers; returns them.
+    fn swap_fleet(core: &mut Core, old: &[WorkerId]) -> Vec<WorkerId> {
+        let s = started(&core.handle(secs(3), hosts(&[("c", 1), ("d", 1)])));
+        let new: Vec<WorkerId> = s.iter().map(|(id, _)| *id).collect();
+        assert_eq!(new.len(), 2, "{s:?}");
+        core.handle(secs(4), Input::Registered(new[0]));
+        let a = core.handle(secs(4), Input::Registered(new[1]));
+        assert_eq!(
+            notified(&a),
+            Some((
+                old.to_vec(),
+                vec!["c".into(), "d".into()],
+                vec!["a".into(), "b".into()]
+            ))
+        );
+        new
+    }
+
+    #[test]
+    fn draining_every_host_that_holds_the_state_keeps_one_worker_until_the_next_round_synced() {
+        let (mut core, old) = running(cfg(2, 1, 4), &[("a", 1), ("b", 1)]);
+        let new = swap_fleet(&mut core, &old);
+        // The first old worker by rank (it holds the newest commit) is kept as rank 0; the other
+        // drained one leaves at once.
+        let a = joined(&mut core, 5, old[0]);
+        assert_eq!(removed(&a), vec![old[1]], "{a:?}");
+        assert_eq!(
+            worlds(&a),
+            vec![(old[0], 0, 3), (new[0], 1, 3), (new[1], 2, 3)]
+        );
+        assert!(
+            a.iter().all(|x| !matches!(x, Action::Finish { .. })),
+            "the state is not lost: {a:?}"
+        );
+        // The kept worker leaves only after a worker that stays holds the state.
+        assert!(
+            joined(&mut core, 6, old[1]).is_empty(),
+            "a removed worker's join"
+        );
+        assert!(
+            synced(&mut core, 6, old[0]).is_empty(),
+            "the kept one's own sync"
+        );
+        assert!(core.handle(secs(7), Input::Tick).is_empty());
+        let a = synced(&mut core, 7, new[1]);
+        assert_eq!(
+            notified(&a),
+            Some((vec![old[0], new[0], new[1]], vec![], vec!["a".into()]))
+        );
+        assert!(synced(&mut core, 7, new[0]).is_empty(), "announced once");
+        // The first join plans the round without the kept worker: it is released at once.
+        let mut a = joined(&mut core, 8, new[0]);
+        a.extend(joined(&mut core, 8, new[1]));
+        assert!(joined(&mut core, 8, old[0]).is_empty());
+        assert_eq!(
+            a[0],
+            Action::Remove {
+                worker: old[0],
+                reason: "its host left the job; the workers that stay hold the state it kept"
+                    .into()
+            }
+        );
+        assert_eq!(worlds(&a), vec![(new[0], 0, 2), (new[1], 1, 2)]);
+        for &id in &old {
+            assert!(
+                core.handle(
+                    secs(9),
+                    Input::Exited {
+                        worker: id,
+                        exit: ok()
+                    }
+                )
+                .is_empty(),
+                "a drained worker's exit is neither a failure nor the end"
+            );
+        }
+        for &id in &new {
+            core.handle(
+                secs(10),
+                Input::Exited {
+                    worker: id,
+                    exit: ok(),
+                },
+            );
+        }
+        assert_eq!(core.snapshot(secs(10)).phase, JobPhase::Succeeded);
+    }
+
+    #[test]
+    fn a_drain_while_the_round_forms_keeps_the_state() {
+        let (mut core, old) = running(cfg(2, 1, 8), &[("a", 1), ("b", 1)]);
+        let s = started(&core.handle(secs(3), hosts(&[("a", 1), ("b", 1), ("c", 1), ("d", 1)])));
+        let new: Vec<WorkerId> = s.iter().map(|(id, _)| *id).collect();
+        core.handle(secs(4), Input::Registered(new[0]));
+        core.handle(secs(4), Input::Registered(new[1]));
+        assert!(worlds(&joined(&mut core, 5, old[1])).is_empty());
+        // Both old hosts leave before the round forms.
+        let a = core.handle(secs(5), hosts(&[("c", 1), ("d", 1)]));
+        assert_eq!(
+            removed(&a),
+            vec![old[1]],
+            "the first by rank is kept, the other released: {a:?}"
+        );
+        let a = joined(&mut core, 6, old[0]);
+        assert_eq!(
+            worlds(&a),
+            vec![(old[0], 0, 3), (new[0], 1, 3), (new[1], 2, 3)],
+        );
+        synced(&mut core, 6, new[0]);
+        for &id in &[old[0], new[0], new[1]] {
+            joined(&mut core, 7, id);
+        }
+        assert_eq!(core.generation(), 3);
+        assert_eq!(
+            core.snapshot(secs(7)).hosts,
+            vec![("c".into(), 1), ("d".into(), 1)]
+        );
+    }
+
+    #[test]
+    fn drained_workers_leave_at_once_when_new_members_synced_and_are_kept_when_not() {
+        for synced_first in [true, false] {
+            let (mut core, old) = running(cfg(2, 1, 8), &[("a", 1), ("b", 1)]);
+            let s =
+                started(&core.handle(secs(3), hosts(&[("a", 1), ("b", 1), ("c", 1), ("d", 1)])));
+            let new: Vec<WorkerId> = s.iter().map(|(id, _)| *id).collect();
+            core.handle(secs(4), Input::Registered(new[0]));
+            core.handle(secs(4), Input::Registered(new[1]));
+            for &id in &old {
+                joined(&mut core, 5, id);
+            }
+            assert_eq!(core.generation(), 2);
+            if synced_first {
+                synced(&mut core, 5, new[1]);
+            }
+            core.handle(secs(6), hosts(&[("c", 1), ("d", 1)]));
+            let mut a = Vec::new();
+            for &id in old.iter().chain(&new) {
+                a.extend(joined(&mut core, 7, id));
+            }
+            if synced_first {
+                assert_eq!(removed(&a), old, "{a:?}");
+                assert_eq!(worlds(&a), vec![(new[0], 0, 2), (new[1], 1, 2)]);
+            } else {
+                assert_eq!(removed(&a), vec![old[1]], "{a:?}");
+                assert_eq!(
+                    worlds(&a),
+                    vec![(old[0], 0, 3), (new[0], 1, 3), (new[1], 2, 3)]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_kept_worker_counts_towards_max_np_only_while_it_is_kept() {
+        let (mut core, old) = running(cfg(2, 1, 2), &[("a", 1), ("b", 1)]);
+        let new = swap_fleet(&mut core, &old);
+        joined(&mut core, 5, old[1]);
+        let a = joined(&mut core, 5, old[0]);
+        assert_eq!(
+            worlds(&a),
+            vec![(old[0], 0, 2), (new[0], 1, 2)],
+            "d's worker waits for the next round"
+        );
+        assert!(!removed(&a).contains(&new[1]), "{a:?}");
+        assert!(core.live_workers().contains(&new[1]));
+        let a = synced(&mut core, 6, new[0]);
+        assert!(notified(&a).is_some(), "{a:?}");
+        let mut a = joined(&mut core, 7, new[0]);
+        a.extend(joined(&mut core, 7, old[0]));
+        assert_eq!(removed(&a), vec![old[0]]);
+        assert_eq!(worlds(&a), vec![(new[0], 0, 2), (new[1], 1, 2)]);
+    }
+
+    #[test]
+    fn a_failure_before_the_handover_keeps_the_worker_for_another_round() {
+        let (mut core, old) = running(cfg(2, 1, 4), &[("a", 1), ("b", 1)]);
+        let new = swap_fleet(&mut core, &old);
+        joined(&mut core, 5, old[0]);
+        assert_eq!(core.generation(), 2);
+        // d's worker dies while the round connects, before any sync.
+        let a = core.handle(
+            secs(6),
+            Input::Exited {
+                worker: new[1],
+                exit: killed(),
+            },
+        );
+        assert!(
+            matches!(&a[..], [Action::Abort { workers, .. }] if workers == &vec![old[0], new[0]])
+        );
+        joined(&mut core, 6, new[0]);
+        let a = joined(&mut core, 6, old[0]);
+        assert_eq!(
+            worlds(&a),
+            vec![(old[0], 0, 2), (new[0], 1, 2)],
+            "kept again"
+        );
+        let a = synced(&mut core, 7, new[0]);
+        assert!(notified(&a).is_some());
+        let mut a = joined(&mut core, 8, new[0]);
+        a.extend(joined(&mut core, 8, old[0]));
+        assert_eq!(worlds(&a), vec![(new[0], 0, 1)]);
+        assert_eq!(removed(&a), vec![old[0]]);
+    }
+
+    #[test]
+    fn a_sync_report_for_an_unknown_round_or_worker_changes_nothing() {
+        let (mut core, ids) = running(cfg(1, 1, 1), &[("a", 1)]);
+        let future = Input::Synced {
+            worker: ids[0],
+            generation: 9,
+        };
+        assert!(core.handle(secs(2), future).is_empty());
+        let unknown = Input::Synced {
+            worker: 99,
+            generation: 1,
+        };
+        assert!(core.handle(secs(2), unknown).is_empty());
     }
 }

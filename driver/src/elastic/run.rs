@@ -409,6 +409,10 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
                 Wire::AbortSeen { worker, generation } => {
                     d.feed(Input::AbortSeen { worker, generation });
                 }
+                Wire::Synced { worker, generation } => {
+                    tracing::debug!(worker, generation, "worker synced the state");
+                    d.feed(Input::Synced { worker, generation });
+                }
                 Wire::Left { worker, clean } => {
                     tracing::debug!(worker, clean, "worker connection closed");
                 }

@@ -24,6 +24,13 @@
 //! - rank 0 of every round after the first was a member of the round before, so the committed
 //!   state survives; the core may instead end the job saying the state is lost, but only when
 //!   no worker of the last round is left on a usable host;
+//! - the committed state is never lost to a drain: the simulation knows which workers hold it
+//!   (the first round's, then every member of a round whose sync completed, which they report
+//!   with [`Input::Synced`]), and every round after the first has one of them as a member,
+//!   unless every holder died, hung or was stopped (a failure); the core removes a holder only
+//!   while another stays in the job. A worker whose host left discovery may train on in the
+//!   next round only to hand the state over: one at most, as rank 0, and only while no other
+//!   member holds it;
 //! - surviving hosts (one of their workers trains in both rounds, and discovery kept listing
 //!   them) keep their relative order from one round to the next, and a worker keeps its slot;
 //! - ids are started once; `Stop`, `Remove`, `World`, `Abort` and `Notify` name only live
@@ -36,6 +43,10 @@
 //!
 //! Oddities that break no promise (a worker stopped twice, say) are counted and printed.
 //! The same seed replays the same trace: one seed runs twice and the traces' hashes must match.
+//!
+//! Spot fleets (a scenario option) replace every host at once: new hosts arrive, and in the
+//! same poll or up to 20 s later every host listed before them leaves discovery, while the
+//! new workers start, join or sync.
 //!
 //! The default scenarios stay small (tens of hosts, 64 workers, about a thousand inputs a
 //! seed) because tests build unoptimised and each input costs the core time in proportion to
@@ -78,6 +89,12 @@ const BUSY: f64 = 0.05;
 const ABORT_SEEN_MS: (u64, u64) = (1, 300);
 /// Milliseconds before peers notice a hung member: their collectives time out.
 const PROGRESS_MS: (u64, u64) = (20_000, 60_000);
+/// Milliseconds from a round's rank tables to its state sync completing on every member
+/// (connecting the mesh, then the broadcast); below `JOIN_MS`, as a worker raises a host
+/// update only at a commit after the sync.
+const SYNC_MS: (u64, u64) = (5, 150);
+/// Longest delay from a spot fleet's arrival to the old fleet leaving discovery.
+const SWAP_DRAIN_MS: u64 = 20_000;
 
 /// SplitMix64: a tiny generator with the same stream on every platform.
 struct Rng(u64);
@@ -159,6 +176,9 @@ struct Scenario {
     empty_polls: f64,
     /// Chance that a started worker hangs before registering.
     start_hang: f64,
+    /// Chance that a poll brings a spot fleet that replaces every host: the old ones leave
+    /// discovery in the same poll or soon after.
+    swap: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -173,6 +193,10 @@ enum Event {
     AbortSeen(WorkerId, u64),
     /// Round `.0`'s members notice that a member hangs.
     Break(u64),
+    /// Round `.0`'s state sync completes, if the round still stands.
+    Sync(u64),
+    /// Churn: the hosts of an old fleet leave discovery, and discovery runs at once.
+    Drain(Vec<String>),
     /// Churn: a random worker is killed.
     Kill,
     /// Churn: a random worker hangs.
@@ -193,6 +217,7 @@ impl Event {
                 | Self::Exit(..)
                 | Self::AbortSeen(..)
                 | Self::Break(_)
+                | Self::Sync(_)
         )
     }
 }
@@ -234,6 +259,21 @@ struct Proc {
     through: u64,
     /// Its slot on its host, from its first round.
     local_rank: Option<usize>,
+    /// The core stopped it (a failure), rather than removing it.
+    stopped: bool,
+}
+
+impl Proc {
+    /// Whether it was lost to a failure: killed, crashed, hung or stopped. A worker that left
+    /// because the core removed it was not.
+    fn failed(&self) -> bool {
+        self.hung || self.stopped || (self.life == Life::Dead && !self.told)
+    }
+
+    /// Whether the core may still use it: it neither failed nor was told to go.
+    fn available(&self) -> bool {
+        !self.failed() && !self.told
+    }
 }
 
 /// One `World` action.
@@ -264,6 +304,12 @@ struct Stats {
     held_aborts: u64,
     /// Longest time from a round's members noticing a failure to the next round.
     longest_pause: Duration,
+    /// Spot fleets that replaced every host.
+    swaps: u64,
+    /// Rounds with a worker kept for the state although its host had left.
+    kept: u64,
+    /// Rounds that started without the committed state because every holder failed.
+    lost_to_failures: u64,
 }
 
 /// How one run ended.
@@ -314,6 +360,8 @@ struct Sim {
     broken: u64,
     broken_at: Duration,
     last_update: u64,
+    /// Workers that hold the committed state, as far as the cluster knows.
+    holders: BTreeSet<WorkerId>,
     ending: Option<(u8, String)>,
     trace: Trace,
     stats: Stats,
@@ -362,6 +410,7 @@ impl Sim {
             broken: 0,
             broken_at: Duration::ZERO,
             last_update: 0,
+            holders: BTreeSet::new(),
             ending: None,
             trace: Trace(0xCBF2_9CE4_8422_2325),
             stats: Stats::default(),
@@ -600,6 +649,19 @@ impl Sim {
                 self.break_round(g);
                 Ok(())
             }
+            Event::Sync(g) => self.sync(g),
+            Event::Drain(hosts) => {
+                if self.phase != Phase::Churn {
+                    return Ok(());
+                }
+                for h in hosts {
+                    if self.hosts.remove(&h).is_some() {
+                        self.stats.host_changes += 1;
+                        self.departed.push(h);
+                    }
+                }
+                self.discover()
+            }
             Event::Kill => {
                 if self.phase != Phase::Churn {
                     return Ok(());
@@ -730,6 +792,9 @@ impl Sim {
         self.push(POLL_EVERY, Event::Poll);
         if self.phase == Phase::Churn && self.step > 0 {
             self.churn_hosts()?;
+            if self.ending.is_some() {
+                return Ok(());
+            }
             if self.rng.chance(0.08) {
                 self.stats.failed_polls += 1;
                 return self.feed(Input::DiscoveryFailed(
@@ -737,6 +802,11 @@ impl Sim {
                 ));
             }
         }
+        self.discover()
+    }
+
+    /// Discovery runs and the core sees what it prints.
+    fn discover(&mut self) -> Result<(), String> {
         let empty = self.rng.chance(self.sc.empty_polls) && self.phase == Phase::Churn;
         let shown = if empty {
             BTreeMap::new()
@@ -765,6 +835,9 @@ impl Sim {
     }
 
     fn churn_hosts(&mut self) -> Result<(), String> {
+        if self.rng.chance(self.sc.swap) {
+            return self.swap_fleet();
+        }
         if self.rng.chance(self.sc.grow) {
             for _ in 0..1 + self.rng.below(4) {
                 let slots = 1 + self.rng.below(8);
@@ -816,6 +889,59 @@ impl Sim {
             let slots = 1 + self.rng.below(8);
             self.hosts.insert(h, slots);
             self.stats.host_changes += 1;
+        }
+        Ok(())
+    }
+
+    /// A spot fleet arrives with at least as many slots as the job needs; every host listed
+    /// before it leaves discovery now or within `SWAP_DRAIN_MS`, gracefully.
+    fn swap_fleet(&mut self) -> Result<(), String> {
+        self.stats.swaps += 1;
+        let old: Vec<String> = self.hosts.keys().cloned().collect();
+        let need = self.sc.np.max(self.sc.min_np);
+        let mut slots = 0;
+        while slots < need {
+            let s = 1 + self.rng.below(8);
+            self.add_host(s);
+            self.stats.host_changes += 1;
+            slots += s;
+        }
+        if self.rng.chance(0.3) {
+            for h in old {
+                self.hosts.remove(&h);
+                self.stats.host_changes += 1;
+                self.departed.push(h);
+            }
+        } else {
+            let d = self.rng.ms((1, SWAP_DRAIN_MS));
+            self.push(d, Event::Drain(old));
+        }
+        Ok(())
+    }
+
+    /// Round `g`'s sync completes when every member is still in it: each then holds the
+    /// committed state and tells the core.
+    fn sync(&mut self, g: u64) -> Result<(), String> {
+        if g != self.generation || self.broken >= g || self.ending.is_some() {
+            return Ok(());
+        }
+        let whole = self.members.iter().all(|m| {
+            let p = &self.procs[m];
+            p.life == Life::Running(g) && !p.hung
+        });
+        if !whole {
+            return Ok(());
+        }
+        self.holders = self.members.iter().copied().collect();
+        for i in 0..self.members.len() {
+            let m = self.members[i];
+            self.feed(Input::Synced {
+                worker: m,
+                generation: g,
+            })?;
+            if self.ending.is_some() {
+                break;
+            }
         }
         Ok(())
     }
@@ -900,6 +1026,21 @@ impl Sim {
                 self.generation,
                 survivor
             );
+            if let Some(h) = self.holders.iter().find(|h| self.procs[*h].available()) {
+                let p = &self.procs[h];
+                return Err(self.violation(format!(
+                    "the core says the committed state is lost, but worker {h} holds it and did \
+                     not fail: on {} (slot {:?}, discovery offers {:?}), {:?}, told to go: {}, \
+                     member of round {}: {}",
+                    p.host,
+                    p.local_rank,
+                    self.discovered.get(&p.host),
+                    p.life,
+                    p.told,
+                    self.generation,
+                    self.members.contains(h)
+                )));
+            }
         } else if message.contains("--reset-limit") {
             let limit = self.sc.reset_limit;
             ensure!(
@@ -972,6 +1113,11 @@ impl Sim {
                 t.u64(*worker);
                 t.u64(*generation);
             }
+            Input::Synced { worker, generation } => {
+                t.u64(8);
+                t.u64(*worker);
+                t.u64(*generation);
+            }
         }
     }
 
@@ -1013,7 +1159,9 @@ impl Sim {
                     }
                     let host = p.host.clone();
                     self.failed(&host);
-                    self.procs.get_mut(&worker).expect("known").told = true;
+                    let p = self.procs.get_mut(&worker).expect("known");
+                    p.told = true;
+                    p.stopped = true;
                     let d = self.rng.ms((50, 2_000));
                     self.push(d, Event::Exit(worker, false));
                 }
@@ -1028,6 +1176,19 @@ impl Sim {
                         self,
                         p.life != Life::Dead && !p.told,
                         "Remove of worker {worker}, which had exited or was told to go"
+                    );
+                    // A drain releases a holder of the committed state only while another
+                    // stays in the job.
+                    let other = self.holders.iter().any(|&h| {
+                        let q = &self.procs[&h];
+                        h != worker && q.life != Life::Dead && !q.told
+                    });
+                    ensure!(
+                        self,
+                        other || !self.holders.contains(&worker),
+                        "Remove of worker {worker} on {}, the last worker holding the committed \
+                         state",
+                        p.host
                     );
                     // A removed worker exits 0 by itself; a hung one is killed 10 s later.
                     let exit = if p.hung {
@@ -1176,6 +1337,7 @@ impl Sim {
                 life: Life::Starting,
                 hung,
                 told: false,
+                stopped: false,
                 notified: 0,
                 through: 0,
                 local_rank: None,
@@ -1328,6 +1490,35 @@ impl Sim {
                 expected[r]
             );
         }
+        // Members whose host no longer offers their slot: kept to hand the state over.
+        let prev: BTreeSet<WorkerId> = self.members.iter().copied().collect();
+        let kept: Vec<WorkerId> = members
+            .iter()
+            .enumerate()
+            .filter(|&(r, _)| {
+                let lr = expected[r].local_rank;
+                self.discovered.get(&hosts[r]).is_none_or(|&s| s <= lr)
+            })
+            .map(|(_, &m)| m)
+            .collect();
+        if let Some(&k) = kept.first() {
+            ensure!(
+                self,
+                kept.len() == 1 && members[0] == k && prev.contains(&k),
+                "round {g} keeps workers {kept:?} on hosts that do not offer their slots; only \
+                 rank 0, a member of round {}, may be kept (to hand the state over)",
+                g - 1
+            );
+            let other = members[1..].iter().find(|m| self.holders.contains(m));
+            ensure!(
+                self,
+                other.is_none() && self.holders.contains(&k),
+                "round {g} keeps worker {k} for the state, but it holds it: {}, and member \
+                 {other:?} holds it too",
+                self.holders.contains(&k)
+            );
+            self.stats.kept += 1;
+        }
         for (r, &m) in members.iter().enumerate() {
             let Some(p) = self.procs.get(&m) else {
                 return Err(self.violation(format!("round {g} names unknown worker {m}")));
@@ -1355,7 +1546,7 @@ impl Sim {
             let lr = expected[r].local_rank;
             ensure!(
                 self,
-                self.discovered.get(&hosts[r]).is_some_and(|&s| s > lr),
+                kept.contains(&m) || self.discovered.get(&hosts[r]).is_some_and(|&s| s > lr),
                 "round {g} puts slot {lr} on {}, which the last discovery gives {:?} slots",
                 hosts[r],
                 self.discovered.get(&hosts[r])
@@ -1375,11 +1566,40 @@ impl Sim {
         let floor = if g == 1 { lo.min(max) } else { 1 };
         ensure!(
             self,
-            floor <= n && n <= hi.min(max),
-            "round {g} has {n} workers while {lo}..={hi} slots are available (--max-np {max})"
+            floor <= n && n - kept.len() <= hi && n <= max,
+            "round {g} has {n} workers ({} kept for the state) while {lo}..={hi} slots are \
+             available (--max-np {max})",
+            kept.len()
         );
+        if g == 1 {
+            self.holders = members.iter().copied().collect();
+        } else {
+            let holding: BTreeSet<WorkerId> = members
+                .iter()
+                .copied()
+                .filter(|m| self.holders.contains(m))
+                .collect();
+            if holding.is_empty() {
+                let unused = self.holders.iter().find(|h| self.procs[*h].available());
+                if let Some(&h) = unused {
+                    let p = &self.procs[&h];
+                    return Err(self.violation(format!(
+                        "round {g} starts without the committed state, which worker {h} on {} \
+                         holds ({:?}, told to go: {}); no failure lost it",
+                        p.host, p.life, p.told
+                    )));
+                }
+                self.stats.lost_to_failures += 1;
+                self.note(
+                    "every holder of the committed state failed; a round started without it",
+                    format!("round {g}"),
+                );
+                self.holders = members.iter().copied().collect();
+            } else {
+                self.holders = holding;
+            }
+        }
         if g > 1 {
-            let prev: BTreeSet<WorkerId> = self.members.iter().copied().collect();
             ensure!(
                 self,
                 prev.contains(&members[0]),
@@ -1393,7 +1613,7 @@ impl Sim {
             // listing them. One that left discovery and came back joins anew, at the end.
             let mut survivors = BTreeSet::new();
             for (m, h) in members.iter().zip(&hosts) {
-                if !prev.contains(m) {
+                if !prev.contains(m) || kept.contains(m) {
                     continue;
                 }
                 if !self.left.contains(h) {
@@ -1450,6 +1670,8 @@ impl Sim {
                 self.push(d, Event::Join(m, g));
             }
         }
+        let d = self.rng.ms(SYNC_MS);
+        self.push(d, Event::Sync(g));
         self.stats.rounds += 1;
         if self.broken == g - 1 && g > 1 {
             let pause = self.now - self.broken_at;
@@ -1539,7 +1761,8 @@ fn run_seeds(name: &str, sc: Scenario, seeds: &[u64]) -> Vec<Outcome> {
                 println!(
                     "{name} seed {seed}: {} inputs, {} rounds of {}..={} workers, {} started, \
                      {} killed, {} hung, {} host changes ({} hosts), {} announcements, \
-                     {} aborts of held rounds, \
+                     {} aborts of held rounds, {} fleet swaps, {} rounds keeping a worker for \
+                     the state, {} rounds without it after failures, \
                      {} failed polls, longest pause {:.0}s; ended at t={:.0}s with {}: {} \
                      [{:.2}s, trace {:016x}]",
                     s.inputs,
@@ -1553,6 +1776,9 @@ fn run_seeds(name: &str, sc: Scenario, seeds: &[u64]) -> Vec<Outcome> {
                     s.hosts_seen,
                     s.announcements,
                     s.held_aborts,
+                    s.swaps,
+                    s.kept,
+                    s.lost_to_failures,
                     s.failed_polls,
                     s.longest_pause.as_secs_f64(),
                     o.end.as_secs_f64(),
@@ -1599,6 +1825,7 @@ fn base() -> Scenario {
         grow: 0.2,
         empty_polls: 0.0,
         start_hang: 0.01,
+        swap: 0.0,
     }
 }
 
@@ -1720,6 +1947,49 @@ fn the_same_seed_replays_the_same_trace() {
         c.map(|o| o.trace),
         "another seed, another trace"
     );
+}
+
+/// Spot fleets replace every host, again and again, with nothing failing: the state is never
+/// lost, whether the old fleet leaves in the new one's first poll, while its workers start,
+/// while they join, or just after their first round.
+#[test]
+fn spot_fleets_replacing_every_host_never_lose_the_state() {
+    let sc = Scenario {
+        kill_every: secs(1_000_000),
+        hang_every: secs(1_000_000),
+        start_hang: 0.0,
+        grow: 0.05,
+        swap: 0.15,
+        ..base()
+    };
+    let seeds: Vec<u64> = (200..216).collect();
+    let outcomes = run_seeds("spot fleets", sc, &seeds);
+    for o in &outcomes {
+        assert_eq!(o.code, 0, "{}", o.message);
+        assert_eq!(o.stats.lost_to_failures, 0);
+    }
+    let swaps: u64 = outcomes.iter().map(|o| o.stats.swaps).sum();
+    let kept: u64 = outcomes.iter().map(|o| o.stats.kept).sum();
+    assert!(swaps >= 32, "only {swaps} fleet swaps");
+    assert!(
+        kept * 4 >= swaps,
+        "{kept} rounds kept a worker for the state in {swaps} swaps: the drains came too late \
+         to need it"
+    );
+}
+
+/// Spot fleets amid the usual churn (workers killed and hung, hosts crashing): a drain never
+/// loses the state, and a failure loses it only when every holder failed.
+#[test]
+fn spot_fleets_amid_failures_lose_the_state_only_to_failures() {
+    let sc = Scenario {
+        swap: 0.1,
+        cooldown: Some((60, 600)),
+        ..base()
+    };
+    let seeds: Vec<u64> = (300..308).collect();
+    let outcomes = run_seeds("spot fleets with failures", sc, &seeds);
+    assert!(outcomes.iter().any(|o| o.stats.kept > 0));
 }
 
 #[test]
