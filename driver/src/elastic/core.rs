@@ -986,7 +986,24 @@ impl Core {
         {
             return;
         }
-        // Complete.
+        // Complete. Every member has joined, so every sync report it sent came before: a round
+        // none of whose members holds the committed state (the survivors of the last round
+        // joined it but died, with its holders, before they synced) would start over from the
+        // program's initial state without a word.
+        if self.generation > 0
+            && !members.iter().any(|m| {
+                self.current.contains(m) && self.workers.get(m).is_some_and(|w| w.holds_state)
+            })
+        {
+            self.finish(
+                out,
+                1,
+                "no surviving worker holds the committed state (the workers that do failed before \
+                 the newer ones synced it): the committed state is lost"
+                    .into(),
+            );
+            return;
+        }
         if self.generation > 0 {
             self.resets += 1;
             if let Some(limit) = self.cfg.reset_limit.filter(|&l| self.resets > l) {
@@ -1981,6 +1998,49 @@ mod tests {
         a.extend(joined(&mut core, 8, old[0]));
         assert_eq!(worlds(&a), vec![(new[0], 0, 1)]);
         assert_eq!(removed(&a), vec![old[0]]);
+    }
+
+    #[test]
+    fn survivors_that_never_synced_the_state_end_the_job_saying_it_is_lost() {
+        // a and b train; c joins them in round 2, then a and b die before c reports its sync.
+        let (mut core, old) = running(cfg(2, 1, 4), &[("a", 1), ("b", 1)]);
+        let s = started(&core.handle(secs(3), hosts(&[("a", 1), ("b", 1), ("c", 1)])));
+        let c = s[0].0;
+        core.handle(secs(3), Input::Registered(c));
+        joined(&mut core, 4, old[0]);
+        assert_eq!(worlds(&joined(&mut core, 4, old[1])).len(), 3);
+        for &w in &old {
+            core.handle(
+                secs(5),
+                Input::Exited {
+                    worker: w,
+                    exit: killed(),
+                },
+            );
+        }
+        let a = joined(&mut core, 5, c);
+        assert!(
+            matches!(&a[..], [Action::Finish { code: 1, message }] if message.contains("the committed state is lost")),
+            "{a:?}"
+        );
+        // Had c synced, it would carry the state on alone.
+        let (mut core, old) = running(cfg(2, 1, 4), &[("a", 1), ("b", 1)]);
+        let s = started(&core.handle(secs(3), hosts(&[("a", 1), ("b", 1), ("c", 1)])));
+        let c = s[0].0;
+        core.handle(secs(3), Input::Registered(c));
+        joined(&mut core, 4, old[0]);
+        joined(&mut core, 4, old[1]);
+        synced(&mut core, 4, c);
+        for &w in &old {
+            core.handle(
+                secs(5),
+                Input::Exited {
+                    worker: w,
+                    exit: killed(),
+                },
+            );
+        }
+        assert_eq!(worlds(&joined(&mut core, 5, c)), vec![(c, 0, 1)]);
     }
 
     #[test]
