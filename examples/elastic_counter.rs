@@ -6,7 +6,8 @@
 //!     target/release/examples/elastic_counter --steps 200 --commit-every 5 --step-ms 10
 //! ```
 //!
-//! Each rank prints one JSON object a line on stdout: `step`, `commit`, `reset` (after each
+//! Each rank prints one JSON object a line on stdout: `start` (the `HOROVOD_*` slot variables
+//! the launcher set, read before `init()` as scripts do), `step`, `commit`, `reset` (after each
 //! re-rendezvous and sync) and, at the end, `done`. It exits non-zero with a message when the
 //! ranks disagree on the step or the total, or when an allreduce result is not the world size.
 
@@ -58,6 +59,13 @@ fn main() -> anyhow::Result<()> {
     if args.commit_every == 0 {
         bail!("--commit-every must be at least 1");
     }
+    let var = |k: &str| std::env::var(k).ok();
+    emit(&json!({"event": "start", "horovod": {
+        "rank": var("HOROVOD_RANK"), "size": var("HOROVOD_SIZE"),
+        "local_rank": var("HOROVOD_LOCAL_RANK"), "local_size": var("HOROVOD_LOCAL_SIZE"),
+        "cross_rank": var("HOROVOD_CROSS_RANK"), "cross_size": var("HOROVOD_CROSS_SIZE"),
+        "hostname": var("HOROVOD_HOSTNAME"),
+    }}));
     hvd::init().context("hvd::init")?;
     let mut state = State::new(Object(Counter::default()));
     let mut calls = 0u64;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use serde_json::Value;
-use support::{Job, check_counter, example, scratch, signal, steps_rerun};
+use support::{Job, Line, check_counter, example, scratch, signal, steps_rerun};
 
 const HOSTS2: &[&str] = &["127.0.0.2:2", "127.0.0.3:2"];
 const COUNTER: &[&str] = &["--steps", "250", "--commit-every", "5", "--step-ms", "10"];
@@ -82,6 +82,40 @@ fn added_hosts_join_without_rollback() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(check_counter(&lines, 250), 6);
     assert_eq!(steps_rerun(&lines), 0, "a graceful change re-ran steps");
+    // Every worker found Horovod's slot variables at spawn, for the slot it was started for:
+    // the first two for the first round, the new ones for the round of six they joined.
+    let starts: Vec<&Line> = lines.iter().filter(|l| l.v["event"] == "start").collect();
+    assert_eq!(starts.len(), 6, "{starts:?}");
+    for s in starts {
+        let h = &s.v["horovod"];
+        let n = |k: &str| h[k].as_str().and_then(|v| v.parse::<u64>().ok());
+        let first_step = lines
+            .iter()
+            .find(|l| l.worker == s.worker && l.v["event"] == "step")
+            .expect("a step of every worker");
+        let host = h["hostname"].as_str().unwrap_or_default();
+        let (size, local_rank) = (n("size"), n("local_rank"));
+        if host == "127.0.0.2" {
+            assert_eq!(size, Some(2), "{h}");
+        } else {
+            assert_eq!(size, Some(6), "{h}");
+            assert_eq!(n("rank"), first_step.v["rank"].as_u64(), "{h}");
+        }
+        assert_eq!(n("local_size"), Some(2), "{h}");
+        assert!(local_rank.is_some_and(|r| r < 2), "{h}");
+        let cross = (n("cross_rank"), n("cross_size"));
+        let want_cross = match host {
+            "127.0.0.2" => (Some(0), Some(1)),
+            "127.0.0.3" => (Some(1), Some(3)),
+            _ => (Some(2), Some(3)),
+        };
+        assert_eq!(cross, want_cross, "{h}");
+        assert_eq!(
+            n("rank"),
+            Some(n("cross_rank").unwrap_or(0) * 2 + local_rank.unwrap_or(0)),
+            "{h}"
+        );
+    }
 }
 
 #[test]

@@ -100,12 +100,16 @@ pub enum Input {
 /// What the I/O around the core must do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    /// Start worker `worker` on `host` in slot `local_rank`.
+    /// Start worker `worker` on `host`, for the slot `placement` of the round being formed
+    /// (its numbers are the worker's `HOROVOD_RANK`… at spawn, as Horovod's launcher sets
+    /// them; the round it joins may renumber it).
     Start {
         /// Its id.
         worker: WorkerId,
         /// Where.
         host: String,
+        /// The slot it is started for.
+        placement: Placement,
     },
     /// Stop a worker (SIGTERM, then SIGKILL): it failed or hangs.
     Stop {
@@ -804,7 +808,8 @@ impl Core {
             .collect();
     }
 
-    fn start(&mut self, now: Duration, host: &str, local_rank: usize, out: &mut Vec<Action>) {
+    fn start(&mut self, now: Duration, slot: &SlotInfo, out: &mut Vec<Action>) {
+        let (host, local_rank) = (slot.host.as_str(), slot.local_rank);
         let id = self.next_worker;
         self.next_worker += 1;
         self.live_at.insert((host.to_string(), local_rank), id);
@@ -822,6 +827,7 @@ impl Core {
         out.push(Action::Start {
             worker: id,
             host: host.to_string(),
+            placement: slot.placement(),
         });
     }
 
@@ -938,7 +944,7 @@ impl Core {
             match self.worker_at(&s.host, s.local_rank) {
                 Some(id) => members.push(id),
                 None => {
-                    self.start(now, &s.host, s.local_rank, out);
+                    self.start(now, s, out);
                     members.push(self.next_worker - 1);
                 }
             }
@@ -1155,7 +1161,7 @@ impl Core {
                         }
                     }
                     None => {
-                        self.start(now, &s.host, s.local_rank, out);
+                        self.start(now, s, out);
                         all_ready = false;
                     }
                 }
@@ -1223,7 +1229,7 @@ mod tests {
         actions
             .iter()
             .filter_map(|a| match a {
-                Action::Start { worker, host } => Some((*worker, host.clone())),
+                Action::Start { worker, host, .. } => Some((*worker, host.clone())),
                 _ => None,
             })
             .collect()
@@ -1456,6 +1462,49 @@ mod tests {
                 (ids[1], 1, 4),
                 (s[0].0, 2, 4),
                 (s[1].0, 3, 4)
+            ]
+        );
+    }
+
+    #[test]
+    fn workers_start_with_the_numbers_of_the_slot_they_are_started_for() {
+        let mut core = Core::new(cfg(2, 2, 8));
+        let placements = |a: &[Action]| -> Vec<(String, Placement)> {
+            a.iter()
+                .filter_map(|x| match x {
+                    Action::Start {
+                        host, placement, ..
+                    } => Some((host.clone(), *placement)),
+                    _ => None,
+                })
+                .collect()
+        };
+        let p = |rank, size, local_rank, local_size, cross_rank, cross_size| Placement {
+            rank,
+            size,
+            local_rank,
+            local_size,
+            cross_rank,
+            cross_size,
+        };
+        let a = core.handle(secs(0), hosts(&[("a", 2)]));
+        assert_eq!(
+            placements(&a),
+            vec![
+                ("a".into(), p(0, 2, 0, 2, 0, 1)),
+                ("a".into(), p(1, 2, 1, 2, 0, 1))
+            ]
+        );
+        for (id, _) in started(&a) {
+            core.handle(secs(1), Input::Registered(id));
+        }
+        // b joins behind a: its workers are started as ranks 2 and 3 of 4, the round's slots.
+        let a = core.handle(secs(2), hosts(&[("a", 2), ("b", 2)]));
+        assert_eq!(
+            placements(&a),
+            vec![
+                ("b".into(), p(2, 4, 0, 2, 1, 2)),
+                ("b".into(), p(3, 4, 1, 2, 1, 2))
             ]
         );
     }

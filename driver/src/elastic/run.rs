@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use hvd_discovery::kubernetes::{self, PodSelector};
 use hvd_discovery::{HostSpec, ScriptDiscovery};
-use hvd_rendezvous::{self as rv, DriverMsg, HostsUpdate};
+use hvd_rendezvous::{self as rv, DriverMsg, HostsUpdate, Placement};
 use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
@@ -134,7 +134,15 @@ impl Driver {
         }
     }
 
-    fn worker_env(&self, id: WorkerId, host: &str, local: bool) -> Vec<(String, String)> {
+    /// A worker's environment: its ids, the rendezvous, and the six numbers of the slot it is
+    /// started for under Horovod's names (scripts read them before `init()`).
+    fn worker_env(
+        &self,
+        id: WorkerId,
+        host: &str,
+        placement: &Placement,
+        local: bool,
+    ) -> Vec<(String, String)> {
         let rendezvous = if local {
             format!("127.0.0.1:{}", self.port)
         } else {
@@ -144,6 +152,12 @@ impl Driver {
             (rv::ENV_ELASTIC, "1".to_string()),
             (rv::ENV_WORKER_ID, id.to_string()),
             (rv::ENV_HOSTNAME, host.to_string()),
+            (rv::ENV_RANK, placement.rank.to_string()),
+            (rv::ENV_SIZE, placement.size.to_string()),
+            (rv::ENV_LOCAL_RANK, placement.local_rank.to_string()),
+            (rv::ENV_LOCAL_SIZE, placement.local_size.to_string()),
+            (rv::ENV_CROSS_RANK, placement.cross_rank.to_string()),
+            (rv::ENV_CROSS_SIZE, placement.cross_size.to_string()),
             (rv::ENV_RENDEZVOUS_ADDR, rendezvous),
             (rv::ENV_SECRET, self.secret.clone()),
             (
@@ -171,9 +185,13 @@ impl Driver {
     /// Carries out one action; returns an input to feed back (a worker that could not start).
     fn apply(&mut self, action: Action) -> Option<Input> {
         match action {
-            Action::Start { worker, host } => {
+            Action::Start {
+                worker,
+                host,
+                placement,
+            } => {
                 let local = hosts::is_local(&host, &self.own_host);
-                let env = self.worker_env(worker, &host, local);
+                let env = self.worker_env(worker, &host, &placement, local);
                 let log = self
                     .spec
                     .output_dir

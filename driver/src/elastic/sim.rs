@@ -1138,7 +1138,7 @@ impl Sim {
                 self.note("action after Finish", format!("{a:?}"));
             }
             match a {
-                Action::Start { worker, host } => self.started(worker, host)?,
+                Action::Start { worker, host, .. } => self.started(worker, host)?,
                 Action::Stop { worker } => {
                     self.trace.u64(11);
                     self.trace.u64(worker);
