@@ -12,9 +12,13 @@
 //!   the new size (from the discovery change), and the training pause (last step at the old
 //!   size → first at the new);
 //! - rebuild: N−1 one-slot hosts, one more appears → the training pause at N workers, for N
-//!   in 2, 4, 8, 16: re-rendezvous, ring rebuild and state sync together.
+//!   in 2, 4, 8, 16: re-rendezvous, ring rebuild and state sync together;
+//! - frozen: 4 workers on 2 hosts under `--heartbeat-timeout T`; SIGSTOP one worker → the
+//!   first step the survivors complete at size 2 (the frozen worker's host is failed as a
+//!   whole). The target is T + 1 s.
 //!
-//! Every figure is the median over `--runs` jobs; the counter steps every 10 ms.
+//! Every figure is the median over `--runs` jobs; the counter steps every 10 ms. `--figures`
+//! picks some of them (`recovery,scale-up,rebuild,frozen`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -38,6 +42,26 @@ struct Args {
     /// World sizes for the rebuild figure.
     #[arg(long, value_delimiter = ',', default_value = "2,4,8,16")]
     sizes: Vec<usize>,
+    /// `--heartbeat-timeout` of the jobs, in seconds (the frozen figure waits for it).
+    #[arg(long, default_value_t = 3.0)]
+    heartbeat_timeout: f64,
+    /// Figures to measure.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "recovery,scale-up,rebuild,frozen"
+    )]
+    figures: Vec<Figure>,
+}
+
+/// One figure of the bench.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Figure {
+    Recovery,
+    ScaleUp,
+    Rebuild,
+    Frozen,
 }
 
 /// A counter line, stamped when it arrived.
@@ -76,7 +100,7 @@ impl Job {
         hosts: &[String],
         np: usize,
         max_np: usize,
-        interval: f64,
+        b: &Args,
     ) -> anyhow::Result<Self> {
         let bins = bin_dir()?;
         let dir = std::env::temp_dir().join(format!("hvd-bench-{}-{name}", std::process::id()));
@@ -96,7 +120,9 @@ impl Job {
                 "--host-discovery-script",
                 &script,
                 "--discovery-interval",
-                &interval.to_string(),
+                &b.interval.to_string(),
+                "--heartbeat-timeout",
+                &b.heartbeat_timeout.to_string(),
             ])
             .arg(bins.join("examples/elastic_counter"))
             .args([
@@ -220,8 +246,8 @@ fn fmt(v: &[f64]) -> String {
         .join(" ")
 }
 
-fn recovery(run: usize, interval: f64) -> anyhow::Result<f64> {
-    let mut job = Job::start(&format!("rec{run}"), &hosts(2, 2, 2), 4, 4, interval)?;
+fn recovery(run: usize, b: &Args) -> anyhow::Result<f64> {
+    let mut job = Job::start(&format!("rec{run}"), &hosts(2, 2, 2), 4, 4, b)?;
     job.step_at(4, Instant::now())?;
     thread::sleep(Duration::from_millis(300));
     let pid = job
@@ -236,8 +262,28 @@ fn recovery(run: usize, interval: f64) -> anyhow::Result<f64> {
     Ok((t1 - t0).as_secs_f64())
 }
 
-fn scale_up(run: usize, interval: f64) -> anyhow::Result<(f64, f64)> {
-    let mut job = Job::start(&format!("up{run}"), &hosts(2, 2, 2), 4, 6, interval)?;
+/// SIGSTOP of one worker → the first step at size 2, once the driver declared it frozen.
+fn frozen(run: usize, b: &Args) -> anyhow::Result<f64> {
+    let mut job = Job::start(&format!("frz{run}"), &hosts(2, 2, 2), 4, 4, b)?;
+    job.step_at(4, Instant::now())?;
+    // The runs spread the SIGSTOP over the driver's ping period (a quarter of the timeout):
+    // how long before the freeze the worker last answered decides when it is declared.
+    let phase = b.heartbeat_timeout / 4.0 * run as f64 / b.runs as f64;
+    thread::sleep(Duration::from_secs_f64(0.3 + phase));
+    let pid = job
+        .worker_on("127.0.0.3")
+        .context("no worker on 127.0.0.3")?;
+    let t0 = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGSTOP,
+    )?;
+    let (t1, _) = job.step_at(2, t0)?;
+    Ok((t1 - t0).as_secs_f64())
+}
+
+fn scale_up(run: usize, b: &Args) -> anyhow::Result<(f64, f64)> {
+    let mut job = Job::start(&format!("up{run}"), &hosts(2, 2, 2), 4, 6, b)?;
     job.step_at(4, Instant::now())?;
     thread::sleep(Duration::from_millis(300));
     let t0 = Instant::now();
@@ -249,14 +295,8 @@ fn scale_up(run: usize, interval: f64) -> anyhow::Result<(f64, f64)> {
     Ok(((t1 - t0).as_secs_f64(), (t1 - last).as_secs_f64()))
 }
 
-fn rebuild(run: usize, n: usize, interval: f64) -> anyhow::Result<f64> {
-    let mut job = Job::start(
-        &format!("rb{n}-{run}"),
-        &hosts(2, n - 1, 1),
-        n - 1,
-        n,
-        interval,
-    )?;
+fn rebuild(run: usize, n: usize, b: &Args) -> anyhow::Result<f64> {
+    let mut job = Job::start(&format!("rb{n}-{run}"), &hosts(2, n - 1, 1), n - 1, n, b)?;
     job.step_at(n - 1, Instant::now())?;
     thread::sleep(Duration::from_millis(300));
     let t0 = Instant::now();
@@ -273,20 +313,65 @@ fn main() -> anyhow::Result<()> {
     if args.runs == 0 || args.sizes.iter().any(|&n| n < 2) {
         bail!("--runs must be at least 1 and every --sizes entry at least 2");
     }
+    if !(args.heartbeat_timeout.is_finite() && args.heartbeat_timeout > 0.0) {
+        bail!("--heartbeat-timeout must be a positive number of seconds");
+    }
     println!(
-        "# elastic_bench: medians of {} runs, counter at 10 ms/step, discovery every {} s",
-        args.runs, args.interval
+        "# elastic_bench: medians of {} runs, counter at 10 ms/step, discovery every {} s, \
+         heartbeat timeout {} s",
+        args.runs, args.interval, args.heartbeat_timeout
     );
-    let rec: Vec<f64> = (0..args.runs)
-        .map(|r| recovery(r, args.interval))
-        .collect::<anyhow::Result<_>>()?;
-    println!(
-        "recovery (SIGKILL 1 of 4 -> first step at size 2): {:.3} s  [{}]",
-        median(rec.clone()),
-        fmt(&rec)
-    );
+    let want = |f: Figure| args.figures.contains(&f);
+    if want(Figure::Recovery) {
+        let rec: Vec<f64> = (0..args.runs)
+            .map(|r| recovery(r, &args))
+            .collect::<anyhow::Result<_>>()?;
+        println!(
+            "recovery (SIGKILL 1 of 4 -> first step at size 2): {:.3} s  [{}]",
+            median(rec.clone()),
+            fmt(&rec)
+        );
+    }
+    if want(Figure::ScaleUp) {
+        scale_ups(&args)?;
+    }
+    if want(Figure::Rebuild) {
+        for &n in &args.sizes {
+            let v: Vec<f64> = (0..args.runs)
+                .map(|r| rebuild(r, n, &args))
+                .collect::<anyhow::Result<_>>()?;
+            println!(
+                "re-rendezvous + ring rebuild + sync at {n:>2} workers (pause): {:.3} s  [{}]",
+                median(v.clone()),
+                fmt(&v)
+            );
+        }
+    }
+    if want(Figure::Frozen) {
+        let v: Vec<f64> = (0..args.runs)
+            .map(|r| frozen(r, &args))
+            .collect::<anyhow::Result<_>>()?;
+        let (m, target) = (median(v.clone()), args.heartbeat_timeout + 1.0);
+        println!(
+            "frozen (SIGSTOP 1 of 4 -> first step at size 2): {m:.3} s  [{}]  target {target:.1} s \
+             (heartbeat timeout + 1 s): {}",
+            fmt(&v),
+            if v.iter().all(|&x| x <= target) {
+                "every run within"
+            } else if m <= target {
+                "median within, some runs over"
+            } else {
+                "over"
+            }
+        );
+    }
+    Ok(())
+}
+
+/// The two scale-up figures.
+fn scale_ups(args: &Args) -> anyhow::Result<()> {
     let up: Vec<(f64, f64)> = (0..args.runs)
-        .map(|r| scale_up(r, args.interval))
+        .map(|r| scale_up(r, args))
         .collect::<anyhow::Result<_>>()?;
     let (from_change, pause): (Vec<f64>, Vec<f64>) = up.into_iter().unzip();
     println!(
@@ -299,15 +384,5 @@ fn main() -> anyhow::Result<()> {
         median(pause.clone()),
         fmt(&pause)
     );
-    for &n in &args.sizes {
-        let v: Vec<f64> = (0..args.runs)
-            .map(|r| rebuild(r, n, args.interval))
-            .collect::<anyhow::Result<_>>()?;
-        println!(
-            "re-rendezvous + ring rebuild + sync at {n:>2} workers (pause): {:.3} s  [{}]",
-            median(v.clone()),
-            fmt(&v)
-        );
-    }
     Ok(())
 }

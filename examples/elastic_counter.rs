@@ -10,6 +10,10 @@
 //! the launcher set, read before `init()` as scripts do), `step`, `commit`, `reset` (after each
 //! re-rendezvous and sync) and, at the end, `done`. It exits non-zero with a message when the
 //! ranks disagree on the step or the total, or when an allreduce result is not the world size.
+//!
+//! `--busy-at-step N --busy-ms M` makes the training thread sleep M ms once, after step N (on
+//! every rank, or on `--busy-rank R` only): a long computation between two collectives, which
+//! the driver must tell from a frozen process. It prints `busy` before the sleep.
 
 use std::io::Write;
 use std::time::Duration;
@@ -32,6 +36,15 @@ struct Args {
     /// Sleep after each step, in milliseconds.
     #[arg(long, default_value_t = 0)]
     step_ms: u64,
+    /// Be busy once, after this step (with --busy-ms).
+    #[arg(long, requires = "busy_ms")]
+    busy_at_step: Option<u64>,
+    /// How long to be busy, in milliseconds.
+    #[arg(long, requires = "busy_at_step")]
+    busy_ms: Option<u64>,
+    /// Only this rank is busy (default: every rank).
+    #[arg(long, requires = "busy_at_step")]
+    busy_rank: Option<usize>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -69,6 +82,7 @@ fn main() -> anyhow::Result<()> {
     hvd::init().context("hvd::init")?;
     let mut state = State::new(Object(Counter::default()));
     let mut calls = 0u64;
+    let mut busy_done = false;
     let result = hvd::elastic::run(&mut state, |state| {
         calls += 1;
         let (rank, size) = (hvd::rank()?, hvd::size()?);
@@ -109,6 +123,13 @@ fn main() -> anyhow::Result<()> {
             }
             if args.step_ms > 0 {
                 std::thread::sleep(Duration::from_millis(args.step_ms));
+            }
+            if let (Some(at), Some(ms)) = (args.busy_at_step, args.busy_ms) {
+                if step == at && !busy_done && args.busy_rank.is_none_or(|r| r == rank) {
+                    busy_done = true;
+                    emit(&json!({"event": "busy", "step": step, "rank": rank, "ms": ms}));
+                    std::thread::sleep(Duration::from_millis(ms));
+                }
             }
         }
         Ok((rank, size))

@@ -89,6 +89,13 @@ pub struct Args {
     #[arg(long = "elastic-timeout", value_name = "SECS")]
     pub elastic_timeout: Option<f64>,
 
+    /// Seconds a worker may answer nothing, not even the driver's pings, before it is declared
+    /// frozen (stopped, a paused VM, stuck in the kernel), killed, and its host handled as
+    /// failed; a worker busy in a long step still answers (env HVD_HEARTBEAT_TIMEOUT, default
+    /// 10). In a static job a frozen worker fails the job.
+    #[arg(long = "heartbeat-timeout", value_name = "SECS")]
+    pub heartbeat_timeout: Option<f64>,
+
     /// Elastic: more resets than this fail the job (default unlimited).
     #[arg(long = "reset-limit", value_name = "K")]
     pub reset_limit: Option<usize>,
@@ -271,6 +278,7 @@ const VALUE_FLAGS: &[&str] = &[
     "--slots-per-host",
     "--elastic-timeout",
     "--reset-limit",
+    "--heartbeat-timeout",
     "--discovery-interval",
     "--discovery-timeout",
     "--timeline-filename",
@@ -387,6 +395,13 @@ mod tests {
             (Some(1), Some(4), Some(2), Some(3))
         );
         assert_eq!(a.cooldown_range, Some(vec![1.0, 10.0]));
+        assert_eq!(a.heartbeat_timeout, None);
+        let h = parse(&["--heartbeat-timeout", "2.5", "-np", "2", "x"]).unwrap();
+        assert_eq!(h.heartbeat_timeout, Some(2.5));
+        let e = parse(&["--heartbeat-timeout", "soon", "x"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--heartbeat-timeout"), "{e}");
         assert_eq!(a.discovery_script.as_deref(), Some("./d.sh"));
         assert_eq!(a.command, vec!["./train", "--steps", "5"]);
         assert!(parse(&["-H", "a", "--host-discovery-script", "d", "x"]).is_err());

@@ -1,5 +1,7 @@
 //! Runs one static job: starts a worker per slot, relays their output, serves the rendezvous,
-//! and stops everything when one fails, when the user interrupts, or when the start times out.
+//! and stops everything when one fails, when one is frozen (answers no ping for the heartbeat
+//! timeout: a static job has no recovery, so it fails instead of hanging), when the user
+//! interrupts, or when the start times out.
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
@@ -13,7 +15,7 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
-use tokio::time::{Instant, sleep_until};
+use tokio::time::{Instant, MissedTickBehavior, sleep_until};
 
 use crate::agent::{Agents, Remote};
 use crate::hosts;
@@ -50,6 +52,8 @@ pub struct JobSpec {
     pub extra_env: Vec<(String, String)>,
     /// How workers are started.
     pub launch: LaunchMode,
+    /// A registered worker silent for longer fails the job (`--heartbeat-timeout`).
+    pub heartbeat_timeout: Duration,
 }
 
 /// How workers are started (`--launcher`).
@@ -97,6 +101,16 @@ pub enum Outcome {
         host: String,
         /// Why.
         error: String,
+    },
+    /// A worker answered nothing, not even the driver's pings, for longer than the heartbeat
+    /// timeout: frozen (stopped, a paused VM, stuck in the kernel).
+    Unresponsive {
+        /// Its rank.
+        rank: usize,
+        /// Its host.
+        host: String,
+        /// How long it was silent.
+        silent: Duration,
     },
     /// Not every worker registered in time.
     StartTimeout {
@@ -461,33 +475,45 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
 
     let started = Instant::now();
     let deadline = started + spec.start_timeout;
-    let mut regs: Vec<Option<Registration>> = (0..size).map(|_| None).collect();
-    let mut world_sent = false;
+    let mut conns = Conns {
+        slots: &spec.slots,
+        started,
+        regs: (0..size).map(|_| None).collect(),
+        heard: vec![None; size],
+        world_sent: false,
+    };
     let mut running = handles.iter().filter(|h| h.is_some()).count();
     let mut exited = vec![false; size];
+    let mut pings = tokio::time::interval(rendezvous::ping_period(spec.heartbeat_timeout));
+    pings.set_missed_tick_behavior(MissedTickBehavior::Delay);
     while outcome.is_none() && running > 0 {
+        let silence = conns
+            .heard
+            .iter()
+            .flatten()
+            .min()
+            .map_or(started + Duration::from_secs(3600 * 24 * 365), |&t| {
+                t + spec.heartbeat_timeout
+            });
         tokio::select! {
-            Some(ev) = wire_rx.recv() => match ev {
-                Wire::Registered(reg) => {
-                    let rank = reg.worker as usize;
-                    if regs[rank].is_some() || world_sent {
-                        tracing::warn!(rank, "second registration for a rank; ignored");
-                        continue;
-                    }
-                    tracing::debug!(rank, addr = %reg.addr, pid = reg.pid, "worker registered");
-                    regs[rank] = Some(reg);
-                    if regs.iter().all(Option::is_some) {
-                        send_world(&spec.slots, &regs);
-                        world_sent = true;
-                        tracing::info!(workers = size, took_ms = started.elapsed().as_millis() as u64, "all workers registered; rank table sent");
-                    }
+            Some(ev) = wire_rx.recv() => conns.wire(ev),
+            _ = pings.tick() => conns.ping(),
+            () = sleep_until(silence) => {
+                // Answers already queued count: a driver held up must not blame the workers.
+                while let Ok(ev) = wire_rx.try_recv() {
+                    conns.wire(ev);
                 }
-                Wire::Joined { worker, reason, .. } => {
-                    tracing::warn!(rank = worker, %reason, "a worker of a static job asked for a new round; static jobs have one");
+                let now = Instant::now();
+                let frozen = conns.heard.iter().enumerate().find_map(|(rank, t)| {
+                    let silent = now.saturating_duration_since((*t)?);
+                    (silent >= spec.heartbeat_timeout).then_some((rank, silent))
+                });
+                if let Some((rank, silent)) = frozen {
+                    let host = spec.slots[rank].host.clone();
+                    tracing::warn!(rank, %host, silent_s = silent.as_secs_f64(), "worker stopped answering the driver (frozen?); a static job can't go on without it");
+                    outcome = Some(Outcome::Unresponsive { rank, host, silent });
                 }
-                // A static job never aborts a round.
-                Wire::AbortSeen { .. } | Wire::Synced { .. } | Wire::Left { .. } => {}
-            },
+            }
             ev = rx.recv() => match ev {
                 Some(Exit { worker, end }) => {
                     let rank = worker as usize;
@@ -495,6 +521,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
                         continue;
                     }
                     exited[rank] = true;
+                    conns.heard[rank] = None;
                     running -= 1;
                     let host = spec.slots[rank].host.clone();
                     match end {
@@ -506,8 +533,8 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
                 }
                 None => break,
             },
-            () = sleep_until(deadline), if !world_sent => {
-                let missing = (0..size).filter(|&r| regs[r].is_none()).collect();
+            () = sleep_until(deadline), if !conns.world_sent => {
+                let missing = (0..size).filter(|&r| conns.regs[r].is_none()).collect();
                 outcome = Some(Outcome::StartTimeout { missing, waited: spec.start_timeout });
             }
             _ = sigint.recv() => outcome = Some(Outcome::Interrupted(Signal::SIGINT)),
@@ -525,12 +552,80 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
     }
     drop(handles); // closes the agent connections: nothing of this job is left to run there
     server.abort();
-    drop(regs); // closes the rendezvous connections
+    drop(conns); // closes the rendezvous connections
     for r in relays {
         // Output of a killed worker's children may hold a pipe open: don't wait on it forever.
         let _ = tokio::time::timeout(Duration::from_millis(500), r).await;
     }
     Ok(outcome.unwrap_or(Outcome::Success))
+}
+
+/// The rendezvous connections of a static job: who registered, and when each was last heard
+/// from while its connection is open.
+struct Conns<'a> {
+    slots: &'a [SlotInfo],
+    started: Instant,
+    regs: Vec<Option<Registration>>,
+    heard: Vec<Option<Instant>>,
+    world_sent: bool,
+}
+
+impl Conns<'_> {
+    /// Handles one message of the rendezvous connections.
+    fn wire(&mut self, ev: Wire) {
+        let size = self.regs.len();
+        let heard_from = |heard: &mut Vec<Option<Instant>>, worker: u64| {
+            if let Some(Some(t)) = heard.get_mut(worker as usize) {
+                *t = Instant::now();
+            }
+        };
+        match ev {
+            Wire::Registered(reg) => {
+                let rank = reg.worker as usize;
+                if self.regs[rank].is_some() || self.world_sent {
+                    tracing::warn!(rank, "second registration for a rank; ignored");
+                    return;
+                }
+                tracing::debug!(rank, addr = %reg.addr, pid = reg.pid, "worker registered");
+                self.regs[rank] = Some(reg);
+                self.heard[rank] = Some(Instant::now());
+                if self.regs.iter().all(Option::is_some) {
+                    send_world(self.slots, &self.regs);
+                    self.world_sent = true;
+                    tracing::info!(
+                        workers = size,
+                        took_ms = self.started.elapsed().as_millis() as u64,
+                        "all workers registered; rank table sent"
+                    );
+                }
+            }
+            Wire::Joined { worker, reason, .. } => {
+                heard_from(&mut self.heard, worker);
+                tracing::warn!(rank = worker, %reason, "a worker of a static job asked for a new round; static jobs have one");
+            }
+            // A static job never aborts a round.
+            Wire::AbortSeen { worker, .. }
+            | Wire::Synced { worker, .. }
+            | Wire::Pong { worker } => {
+                heard_from(&mut self.heard, worker);
+            }
+            Wire::Left { worker, .. } => {
+                // It can't answer pings any more; its exit (which follows) is what counts.
+                if let Some(t) = self.heard.get_mut(worker as usize) {
+                    *t = None;
+                }
+            }
+        }
+    }
+
+    /// Pings every registered worker whose connection is open.
+    fn ping(&self) {
+        for (reg, heard) in self.regs.iter().zip(&self.heard) {
+            if let (Some(r), Some(_)) = (reg, heard) {
+                r.send(&rv::DriverMsg::Ping);
+            }
+        }
+    }
 }
 
 /// Sends each registered worker its place and the rank table.

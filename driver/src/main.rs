@@ -22,6 +22,10 @@ use crate::job::{JobSpec, LaunchMode, Outcome};
 /// Exit code for a usage or configuration error (sysexits EX_USAGE).
 const EX_USAGE: u8 = 64;
 
+/// Seconds a worker may be silent before it is declared frozen, when `--heartbeat-timeout`
+/// is not given.
+const ENV_HEARTBEAT_TIMEOUT: &str = "HVD_HEARTBEAT_TIMEOUT";
+
 fn main() -> ExitCode {
     let args = match cli::Args::try_parse_from(cli::normalize(std::env::args())) {
         Ok(a) => a,
@@ -95,20 +99,42 @@ fn report_elastic(end: elastic::run::Ending) -> ExitCode {
 
 /// A duration in seconds from a flag, else an environment variable, else a default.
 fn seconds(flag: Option<f64>, name: &str, env: &str, default: f64) -> anyhow::Result<Duration> {
-    let v = match flag {
-        Some(s) => s,
-        None => match std::env::var(env) {
-            Ok(v) => v
-                .trim()
+    seconds_from(flag, name, env, std::env::var(env).ok(), default)
+}
+
+/// [`seconds`] with the environment variable's value passed in; an error names where the bad
+/// value came from.
+fn seconds_from(
+    flag: Option<f64>,
+    name: &str,
+    env: &str,
+    env_value: Option<String>,
+    default: f64,
+) -> anyhow::Result<Duration> {
+    let (v, from) = match (flag, env_value) {
+        (Some(s), _) => (s, name.to_string()),
+        (None, Some(v)) => (
+            v.trim()
                 .parse()
-                .with_context(|| format!("{env}='{v}' is not a number"))?,
-            Err(_) => default,
-        },
+                .with_context(|| format!("{env}='{v}' ({name}) is not a number"))?,
+            format!("{env} ({name})"),
+        ),
+        (None, None) => (default, name.to_string()),
     };
     if !(v.is_finite() && v > 0.0) {
-        bail!("{name} must be a positive number of seconds, not {v}");
+        bail!("{from} must be a positive number of seconds, not {v}");
     }
     Ok(Duration::from_secs_f64(v))
+}
+
+/// `--heartbeat-timeout`, else `HVD_HEARTBEAT_TIMEOUT`, else 10 s.
+fn heartbeat_timeout(args: &cli::Args) -> anyhow::Result<Duration> {
+    seconds(
+        args.heartbeat_timeout,
+        "--heartbeat-timeout",
+        ENV_HEARTBEAT_TIMEOUT,
+        10.0,
+    )
 }
 
 /// Turns the flags of an elastic job into its spec; everything is checked before anything starts.
@@ -187,6 +213,7 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
         extra_env: timeline_env(args)?,
         launch: launch_mode(args, std::env::var(hvd_agent::ENV_AGENT_SECRET).ok())?,
         status_port: args.status_port,
+        heartbeat_timeout: heartbeat_timeout(args)?,
     })
 }
 
@@ -452,6 +479,7 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
         rendezvous_bind,
         extra_env: timeline_env(args)?,
         launch: launch_mode(args, std::env::var(hvd_agent::ENV_AGENT_SECRET).ok())?,
+        heartbeat_timeout: heartbeat_timeout(args)?,
     })
 }
 
@@ -522,6 +550,15 @@ fn report(outcome: Outcome, np: usize) -> ExitCode {
             );
             ExitCode::FAILURE
         }
+        Outcome::Unresponsive { rank, host, silent } => {
+            eprintln!(
+                "horovodrun: error: rank {rank} on host {host} stopped answering for {:.1} s \
+                 (frozen? --heartbeat-timeout / {ENV_HEARTBEAT_TIMEOUT}); it and the other \
+                 workers were stopped",
+                silent.as_secs_f64()
+            );
+            ExitCode::FAILURE
+        }
         Outcome::Interrupted(sig) => {
             eprintln!("horovodrun: interrupted by {sig}; all workers were stopped");
             ExitCode::from(128 + sig as u8)
@@ -531,7 +568,42 @@ fn report(outcome: Outcome, np: usize) -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::huge_pages_env;
+    use super::{huge_pages_env, seconds_from};
+    use std::time::Duration;
+
+    #[test]
+    fn timeouts_come_from_the_flag_else_the_variable_and_bad_ones_are_named() {
+        let hb = |flag: Option<f64>, env: Option<&str>| {
+            seconds_from(
+                flag,
+                "--heartbeat-timeout",
+                "HVD_HEARTBEAT_TIMEOUT",
+                env.map(String::from),
+                10.0,
+            )
+        };
+        assert_eq!(hb(None, None).unwrap(), Duration::from_secs(10));
+        assert_eq!(
+            hb(None, Some(" 2.5 ")).unwrap(),
+            Duration::from_millis(2500)
+        );
+        assert_eq!(hb(Some(3.0), Some("7")).unwrap(), Duration::from_secs(3));
+        let e = hb(Some(0.0), None).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--heartbeat-timeout must be a positive"),
+            "{e}"
+        );
+        let e = hb(Some(-1.0), None).unwrap_err().to_string();
+        assert!(e.contains("--heartbeat-timeout") && e.contains("-1"), "{e}");
+        let e = format!("{:#}", hb(None, Some("ten")).unwrap_err());
+        assert!(e.contains("HVD_HEARTBEAT_TIMEOUT='ten'"), "{e}");
+        let e = hb(None, Some("0")).unwrap_err().to_string();
+        assert!(
+            e.starts_with("HVD_HEARTBEAT_TIMEOUT (--heartbeat-timeout) must be"),
+            "{e}"
+        );
+        assert!(hb(Some(f64::NAN), None).is_err());
+    }
 
     #[test]
     fn workers_get_huge_pages_unless_the_user_says_otherwise() {

@@ -1,7 +1,8 @@
 //! The driver's side of the rendezvous: workers connect, present the job secret and their
 //! listener address, and keep the connection open. The driver answers rounds with rank tables
 //! and pushes host changes down it; a worker notices at once when its driver is gone, and the
-//! driver notices at once when a worker's connection drops.
+//! driver notices at once when a worker's connection drops. The driver also pings every worker
+//! on it: a process that stops answering is frozen, although its connection stays open.
 
 use std::time::Duration;
 
@@ -12,6 +13,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
 const FIRST_LINE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often registered workers are pinged: often enough that a live one is never near the
+/// heartbeat timeout.
+pub fn ping_period(heartbeat_timeout: Duration) -> Duration {
+    (heartbeat_timeout / 4).max(Duration::from_millis(10))
+}
 
 /// A worker that presented the right secret.
 #[derive(Debug)]
@@ -71,6 +78,11 @@ pub enum Wire {
         worker: u64,
         /// The round.
         generation: u64,
+    },
+    /// A registered worker answered a [`DriverMsg::Ping`]: it is alive.
+    Pong {
+        /// The worker.
+        worker: u64,
     },
     /// A registered worker's connection closed; `clean` when it said goodbye first.
     Left {
@@ -221,6 +233,11 @@ async fn handle(
                     .await
                     .is_err()
                 {
+                    return Ok(());
+                }
+            }
+            WorkerMsg::Pong { .. } => {
+                if events.send(Wire::Pong { worker }).await.is_err() {
                     return Ok(());
                 }
             }

@@ -574,3 +574,272 @@ fn the_status_endpoint_reports_rounds_workers_and_blacklisted_hosts() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(check_counter(&lines, 250), 2);
 }
+
+/// Waits until none of `pids` is alive (a zombie counts as gone); fails naming those left.
+fn assert_gone(pids: &[i32]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let alive: Vec<i32> = pids
+            .iter()
+            .copied()
+            .filter(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
+                    !s.rsplit_once(')')
+                        .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+                })
+            })
+            .collect();
+        if alive.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "processes left after the job: {alive:?}"
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `--heartbeat-timeout` of the frozen-worker tests, and how long they allow past it.
+const HEARTBEAT: &[&str] = &["--heartbeat-timeout", "2"];
+const FROZEN_LIMIT: Duration = Duration::from_secs(2 + 6);
+const SLOW_COUNTER: &[&str] = &["--steps", "250", "--commit-every", "5", "--step-ms", "20"];
+
+#[test]
+fn a_worker_frozen_between_steps_is_declared_failed_and_the_job_goes_on_without_its_host() {
+    let flags = [&["-np", "4", "--min-np", "2"], HEARTBEAT].concat();
+    let mut job = Job::start("frozen1", HOSTS2, &flags, SLOW_COUNTER);
+    job.wait_step(20, 4);
+    let pids: Vec<i32> = job.workers().iter().map(|w| w.0).collect();
+    let victim = job.pid_of_rank(3);
+    signal(victim, Signal::SIGSTOP);
+    let t = Instant::now();
+    job.wait_step(1, 2);
+    let took = t.elapsed();
+    eprintln!("training went on at size 2 {took:?} after the SIGSTOP");
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+    assert!(
+        err.contains("stopped answering the driver (frozen?); declared failed and killed")
+            && err.contains("host=127.0.0.3")
+            && err.contains("blacklisted")
+            && err.contains("(frozen?)"),
+        "{err}"
+    );
+    assert!(took < FROZEN_LIMIT, "recovery took {took:?}");
+    assert_gone(&pids);
+}
+
+#[test]
+fn freezing_every_worker_of_a_host_fails_the_host_once() {
+    let flags = [&["-np", "4", "--min-np", "2"], HEARTBEAT].concat();
+    let mut job = Job::start("frozen-host", HOSTS2, &flags, SLOW_COUNTER);
+    job.wait_step(20, 4);
+    let pids: Vec<i32> = job.workers().iter().map(|w| w.0).collect();
+    for pid in job.pids_on("127.0.0.2") {
+        signal(pid, Signal::SIGSTOP);
+    }
+    let t = Instant::now();
+    job.wait_step(1, 2);
+    let took = t.elapsed();
+    eprintln!("training went on at size 2 {took:?} after the SIGSTOPs");
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+    let declared: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("stopped answering the driver"))
+        .collect();
+    assert_eq!(
+        declared.len(),
+        1,
+        "the host fails once; its other worker is stopped with it: {err}"
+    );
+    assert!(declared[0].contains("host=127.0.0.2"), "{err}");
+    assert!(took < FROZEN_LIMIT, "recovery took {took:?}");
+    assert_gone(&pids);
+}
+
+#[test]
+fn a_survivor_frozen_while_the_round_reforms_is_declared_failed_by_its_silence() {
+    let hosts = &["127.0.0.2:2", "127.0.0.3:1", "127.0.0.4:1"];
+    // A start timeout far beyond the heartbeat's: only the silence can catch the frozen one.
+    let flags = [
+        &["-np", "4", "--min-np", "2", "--start-timeout", "60"],
+        HEARTBEAT,
+    ]
+    .concat();
+    let mut job = Job::start("frozen-reform", hosts, &flags, COUNTER);
+    job.wait_step(20, 4);
+    let pids: Vec<i32> = job.workers().iter().map(|w| w.0).collect();
+    signal(job.pids_on("127.0.0.4")[0], Signal::SIGKILL);
+    signal(job.pids_on("127.0.0.3")[0], Signal::SIGSTOP);
+    let t = Instant::now();
+    job.wait_step(1, 2);
+    let took = t.elapsed();
+    eprintln!("training went on at size 2 {took:?} after the death and the freeze");
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+    assert!(
+        err.contains("stopped answering the driver") && err.contains("host=127.0.0.3"),
+        "{err}"
+    );
+    assert!(!err.contains("did not join the round in time"), "{err}");
+    assert!(took < FROZEN_LIMIT, "recovery took {took:?}");
+    assert_gone(&pids);
+}
+
+#[test]
+fn a_new_worker_frozen_as_it_joins_is_declared_failed_and_the_job_goes_on() {
+    let flags = [&["-np", "2", "--max-np", "4", "-v"], HEARTBEAT].concat();
+    let mut job = Job::start("frozen-join", &["127.0.0.2:2"], &flags, SLOW_COUNTER);
+    job.wait_step(20, 2);
+    job.set_hosts(HOSTS2);
+    // Frozen right after it registered: the round that adds its host is forming, or its
+    // members are connecting and syncing.
+    let line = job.wait_stderr("worker connected worker=3");
+    let pid: i32 = line
+        .split("pid=")
+        .nth(1)
+        .and_then(|p| p.split_whitespace().next()?.parse().ok())
+        .expect("the pid in the log line");
+    signal(pid, Signal::SIGSTOP);
+    let t = Instant::now();
+    job.wait_stderr("stopped answering the driver");
+    let took = t.elapsed();
+    eprintln!("the frozen new worker was declared failed {took:?} after the SIGSTOP");
+    let pids: Vec<i32> = job.workers().iter().map(|w| w.0).collect();
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+    assert!(err.contains("host=127.0.0.3"), "{err}");
+    assert!(took < FROZEN_LIMIT, "declared after {took:?}");
+    assert_gone(&pids);
+}
+
+#[test]
+fn a_worker_busy_for_three_heartbeat_timeouts_is_not_declared_failed() {
+    let flags = [&["-np", "4", "--min-np", "2"], HEARTBEAT].concat();
+    let counter = [
+        COUNTER,
+        &[
+            "--busy-at-step",
+            "20",
+            "--busy-ms",
+            "6000",
+            "--busy-rank",
+            "3",
+        ],
+    ]
+    .concat();
+    let mut job = Job::start("busy", HOSTS2, &flags, &counter);
+    job.wait_for("the busy step", |l| l.v["event"] == "busy");
+    let pids: Vec<i32> = job.workers().iter().map(|w| w.0).collect();
+    let t = Instant::now();
+    job.wait_step(21, 4);
+    let waited = t.elapsed();
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 4);
+    assert!(
+        waited >= Duration::from_secs(5),
+        "its peers waited for it: {waited:?}"
+    );
+    assert!(
+        !lines.iter().any(|l| l.v["event"] == "reset"),
+        "nothing was reset"
+    );
+    assert!(
+        !err.contains("stopped answering") && !err.contains("blacklisted"),
+        "{err}"
+    );
+    assert_gone(&pids);
+}
+
+/// The pids of `parent`'s children whose environment holds `var`.
+fn children_with(parent: u32, var: &str) -> Vec<i32> {
+    let parent = parent.to_string();
+    std::fs::read_dir("/proc")
+        .expect("proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().nth(1).map(String::from));
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            ppid.as_deref() == Some(parent.as_str())
+                && env.split(|&b| b == 0).any(|kv| kv == var.as_bytes())
+        })
+        .collect()
+}
+
+/// A static job of `elastic_counter` on one host with two slots.
+fn static_job(name: &str, flags: &[&str], counter: &[&str], env: &[(&str, &str)]) -> Job {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+    cmd.args(["-np", "2", "-H", "127.0.0.2:2"])
+        .args(flags)
+        .arg(example("elastic_counter"))
+        .args(counter)
+        .envs(env.iter().copied());
+    Job::spawn(scratch(name), cmd)
+}
+
+#[test]
+fn a_frozen_worker_fails_a_static_job_naming_its_rank() {
+    let mut job = static_job("frozen-static", HEARTBEAT, SLOW_COUNTER, &[]);
+    job.wait_step(20, 2);
+    let pids = children_with(job.child.id(), "HOROVOD_RANK=1");
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    let all = [
+        pids.clone(),
+        children_with(job.child.id(), "HOROVOD_RANK=0"),
+    ]
+    .concat();
+    signal(pids[0], Signal::SIGSTOP);
+    let t = Instant::now();
+    let (code, err, _) = job.finish();
+    let took = t.elapsed();
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("rank 1 on host 127.0.0.2 stopped answering for")
+            && err.contains("--heartbeat-timeout"),
+        "{err}"
+    );
+    assert!(
+        took < FROZEN_LIMIT,
+        "the job ended {took:?} after the SIGSTOP"
+    );
+    assert_gone(&all);
+}
+
+#[test]
+fn the_arrival_timeout_names_the_rank_that_did_not_arrive() {
+    // Rank 1 is busy (alive, answering pings) for longer than its peer waits in a collective.
+    let counter = [
+        SLOW_COUNTER,
+        &[
+            "--busy-at-step",
+            "5",
+            "--busy-ms",
+            "4000",
+            "--busy-rank",
+            "1",
+        ],
+    ]
+    .concat();
+    let job = static_job(
+        "arrival",
+        HEARTBEAT,
+        &counter,
+        &[("HVD_ARRIVAL_TIMEOUT", "1")],
+    );
+    let (code, err, lines) = job.finish();
+    assert_ne!(code, 0, "{err}");
+    assert!(lines.iter().any(|l| l.v["event"] == "busy"), "{err}");
+    assert!(err.contains("rank 1 sent nothing for 1s"), "{err}");
+    assert!(!err.contains("stopped answering"), "{err}");
+}

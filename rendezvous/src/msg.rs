@@ -57,6 +57,16 @@ pub enum WorkerMsg {
         /// The round whose sync completed.
         generation: u64,
     },
+    /// The answer to [`DriverMsg::Ping`], written by the worker's connection thread (not its
+    /// training thread): the process is alive, however long its training step takes. A worker
+    /// that answers nothing, not even this, for the driver's heartbeat timeout is frozen
+    /// (stopped, a paused VM, stuck in the kernel) and is declared failed.
+    Pong {
+        /// The job's secret.
+        secret: String,
+        /// The worker's id.
+        worker: u64,
+    },
     /// The worker is leaving cleanly (`hvd::shutdown`).
     Goodbye {
         /// The job's secret.
@@ -74,6 +84,7 @@ impl WorkerMsg {
             | Self::Join { secret, .. }
             | Self::AbortSeen { secret, .. }
             | Self::Synced { secret, .. }
+            | Self::Pong { secret, .. }
             | Self::Goodbye { secret, .. } => secret,
         }
     }
@@ -158,6 +169,9 @@ pub enum DriverMsg {
         /// What failed, for the worker's log and error.
         reason: String,
     },
+    /// Are you alive? Sent to every registered worker a few times per heartbeat timeout; its
+    /// connection thread answers [`WorkerMsg::Pong`] at once.
+    Ping,
     /// The registration was refused; the worker reports `reason` and fails.
     Refused {
         /// Why.
@@ -244,6 +258,18 @@ mod tests {
         assert!(line.starts_with(br#"{"type":"synced","#), "{line:?}");
         assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), synced);
         assert_eq!(synced.secret(), "s");
+        let ping = encode_line(&DriverMsg::Ping).unwrap();
+        assert_eq!(ping, b"{\"type\":\"ping\"}\n");
+        assert_eq!(decode_line::<DriverMsg>(&ping).unwrap(), DriverMsg::Ping);
+        let pong = WorkerMsg::Pong {
+            secret: "s".into(),
+            worker: 7,
+        };
+        let line = encode_line(&pong).unwrap();
+        assert_eq!(line, b"{\"type\":\"pong\",\"secret\":\"s\",\"worker\":7}\n");
+        assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), pong);
+        assert_eq!(pong.secret(), "s");
+        assert!(decode_line::<WorkerMsg>(br#"{"type":"pong","worker":7}"#).is_err());
     }
 
     #[test]

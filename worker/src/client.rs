@@ -281,7 +281,7 @@ impl Client {
             }
             DriverMsg::Removed { reason } => Ok(Round::Removed(reason)),
             DriverMsg::Refused { reason } => Err(self.fail(format!("refused: {reason}"))),
-            DriverMsg::HostsUpdated(_) | DriverMsg::Abort { .. } => {
+            DriverMsg::HostsUpdated(_) | DriverMsg::Abort { .. } | DriverMsg::Ping => {
                 Err(self.fail("unexpected message while waiting for a round".into()))
             }
         }
@@ -382,6 +382,17 @@ fn spawn_reader(mut reader: BufReader<TcpStream>, r: Reader) {
                                 let _ = write_line(&answer, &line);
                             }
                             inbox.abort(generation, &reason);
+                        }
+                        Ok(DriverMsg::Ping) => {
+                            // Answered from this thread, so a long training step never looks
+                            // like a frozen process.
+                            let pong = WorkerMsg::Pong {
+                                secret: secret.clone(),
+                                worker,
+                            };
+                            if let Ok(line) = encode_line(&pong) {
+                                let _ = write_line(&answer, &line);
+                            }
                         }
                         Ok(msg) => {
                             // The receiver is gone only while the process is exiting.

@@ -86,6 +86,15 @@ pub enum Input {
         /// The aborted round.
         generation: u64,
     },
+    /// A registered worker has answered nothing, not even the driver's pings, for `silent`
+    /// (more than `--heartbeat-timeout`): its process is frozen (stopped, a paused VM, stuck
+    /// in the kernel) although its connection stays open. Sent once per worker.
+    Unresponsive {
+        /// The worker.
+        worker: WorkerId,
+        /// How long it has been silent.
+        silent: Duration,
+    },
     /// A worker process ended.
     Exited {
         /// The worker.
@@ -429,6 +438,9 @@ impl Core {
             Input::Joined { worker, reason } => self.joined(now, worker, &reason, &mut out),
             Input::AbortSeen { worker, generation } => self.abort_seen(now, worker, generation),
             Input::Synced { worker, generation } => self.synced(worker, generation),
+            Input::Unresponsive { worker, silent } => {
+                self.unresponsive(now, worker, silent, &mut out);
+            }
             Input::Exited { worker, exit } => self.exited(now, worker, &exit, &mut out),
             Input::Tick => {}
         }
@@ -644,6 +656,48 @@ impl Core {
                 self.host_failed(now, id, &host, &why, out);
             }
         }
+    }
+
+    /// A frozen worker fails like a dead one, and is killed so that it can never come back as
+    /// a member of an old round: its host is blacklisted and its round aborted and re-run.
+    /// Its later exit (the kill) means nothing. A worker that is not registered (the start
+    /// timeout covers it) or already leaving is left alone.
+    fn unresponsive(
+        &mut self,
+        now: Duration,
+        id: WorkerId,
+        silent: Duration,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(w) = self.workers.get_mut(&id) else {
+            return;
+        };
+        if !matches!(w.phase, Phase::Ready | Phase::Running) {
+            return;
+        }
+        let host = w.host.clone();
+        let silent_s = (silent.as_secs_f64() * 10.0).round() / 10.0;
+        tracing::warn!(
+            worker = id,
+            %host,
+            silent_s,
+            "worker stopped answering the driver (frozen?); declared failed and killed"
+        );
+        w.phase = Phase::Leaving;
+        w.due = None;
+        out.push(Action::Stop { worker: id });
+        let why = format!("worker {id} on {host} stopped answering for {silent_s:.1} s (frozen?)");
+        let finishing = self.current.iter().any(|m| {
+            self.workers
+                .get(m)
+                .is_some_and(|w| w.phase == Phase::Finished)
+        });
+        if finishing {
+            let msg = format!("{why} after other workers had finished; the job failed");
+            self.finish(out, 1, msg);
+            return;
+        }
+        self.host_failed(now, id, &host, &why, out);
     }
 
     /// Blacklists `host` and stops its other workers: a host whose worker `failed` failed is
@@ -1635,6 +1689,107 @@ mod tests {
             },
         );
         assert_eq!(worlds(&a), vec![(ids[0], 0, 2), (ids[1], 1, 2)]);
+    }
+
+    fn unresponsive(core: &mut Core, at: u64, id: WorkerId) -> Vec<Action> {
+        core.handle(
+            secs(at),
+            Input::Unresponsive {
+                worker: id,
+                silent: secs(10),
+            },
+        )
+    }
+
+    #[test]
+    fn a_frozen_member_is_killed_its_host_blacklisted_and_the_round_reruns_without_it() {
+        let (mut core, ids) = running(cfg(4, 2, 4), &[("a", 2), ("b", 2)]);
+        // Worker 3 on b is frozen between two steps: every other member waits on it.
+        let a = unresponsive(&mut core, 20, ids[3]);
+        assert_eq!(a[0], Action::Stop { worker: ids[3] }, "{a:?}");
+        assert!(
+            a.contains(&Action::Stop { worker: ids[2] }),
+            "the host's other worker is stopped with it: {a:?}"
+        );
+        assert!(
+            a.iter().any(|x| matches!(x, Action::Abort { workers, generation: 1, reason }
+                if workers == &vec![ids[0], ids[1]]
+                    && reason.contains(&format!("worker {} on b stopped answering for 10.0 s (frozen?)", ids[3])))),
+            "{a:?}"
+        );
+        let snap = core.snapshot(secs(20));
+        assert_eq!(snap.blacklisted, vec![("b".to_string(), None)]);
+        // Its kill, and the stop of the other one, mean nothing more.
+        for &w in &ids[2..] {
+            assert!(
+                core.handle(
+                    secs(21),
+                    Input::Exited {
+                        worker: w,
+                        exit: killed()
+                    }
+                )
+                .is_empty()
+            );
+        }
+        // A second report changes nothing either.
+        assert!(unresponsive(&mut core, 22, ids[3]).is_empty());
+        joined(&mut core, 21, ids[0]);
+        let a = joined(&mut core, 21, ids[1]);
+        assert_eq!(worlds(&a), vec![(ids[0], 0, 2), (ids[1], 1, 2)]);
+        assert_eq!(core.snapshot(secs(21)).resets, 1);
+    }
+
+    #[test]
+    fn a_worker_frozen_while_the_round_forms_is_left_out_of_it() {
+        let (mut core, ids) = running(cfg(2, 2, 4), &[("a", 2)]);
+        // A new host's worker registers, then freezes before the round that adds it completes.
+        let s = started(&core.handle(secs(3), hosts(&[("a", 2), ("b", 2)])));
+        assert_eq!(s.len(), 2);
+        core.handle(secs(4), Input::Registered(s[0].0));
+        let a = core.handle(secs(4), Input::Registered(s[1].0));
+        assert!(
+            a.iter().any(|x| matches!(x, Action::Notify { .. })),
+            "{a:?}"
+        );
+        let a = unresponsive(&mut core, 14, s[1].0);
+        assert_eq!(
+            a[..2],
+            [
+                Action::Stop { worker: s[1].0 },
+                Action::Stop { worker: s[0].0 }
+            ]
+        );
+        assert!(
+            matches!(&a[2..], [Action::Notify { removed, .. }] if removed == &vec!["b".to_string()]),
+            "no member of the running round was lost: nothing to abort; b is announced gone: {a:?}"
+        );
+        // The old members answer the announcement: the round goes on with them alone.
+        joined(&mut core, 15, ids[0]);
+        let a = joined(&mut core, 15, ids[1]);
+        assert_eq!(worlds(&a), vec![(ids[0], 0, 2), (ids[1], 1, 2)]);
+        // A worker that never registered is the start timeout's; one leaving is let go.
+        let (mut core, _) = running(cfg(2, 2, 3), &[("a", 2)]);
+        let s = started(&core.handle(secs(3), hosts(&[("a", 2), ("b", 1)])));
+        assert!(unresponsive(&mut core, 13, s[0].0).is_empty());
+    }
+
+    #[test]
+    fn a_member_frozen_after_others_finished_fails_the_job() {
+        let (mut core, ids) = running(cfg(2, 1, 2), &[("a", 1), ("b", 1)]);
+        core.handle(
+            secs(50),
+            Input::Exited {
+                worker: ids[0],
+                exit: ok(),
+            },
+        );
+        let a = unresponsive(&mut core, 60, ids[1]);
+        assert!(
+            matches!(&a[..], [Action::Stop { .. }, Action::Finish { code: 1, message }]
+                if message.contains("stopped answering") && message.contains("finished")),
+            "{a:?}"
+        );
     }
 
     #[test]

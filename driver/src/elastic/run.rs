@@ -1,5 +1,11 @@
 //! The I/O around the elastic core: polls discovery, starts and stops worker processes,
 //! serves the rendezvous connections, and carries out the core's actions.
+//!
+//! It also keeps every registered worker's heartbeat: it pings each a few times per
+//! `--heartbeat-timeout` on its rendezvous connection, where a thread of the worker's own
+//! answers, and tells the core of one that has said nothing at all for longer
+//! ([`Input::Unresponsive`]): a frozen process keeps its connections open, and only this
+//! tells it from a slow one.
 
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
@@ -12,7 +18,7 @@ use hvd_rendezvous::{self as rv, DriverMsg, HostsUpdate, Placement};
 use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
-use tokio::time::{Instant, sleep_until};
+use tokio::time::{Instant, MissedTickBehavior, sleep_until};
 
 use super::core::{Action, Config, Core, ExitInfo, Input, WorkerId};
 use crate::hosts;
@@ -61,6 +67,8 @@ pub struct ElasticSpec {
     pub launch: LaunchMode,
     /// Port of the `GET /status` endpoint, if one is wanted (0: any free port).
     pub status_port: Option<u16>,
+    /// A registered worker silent for longer is declared failed (`--heartbeat-timeout`).
+    pub heartbeat_timeout: Duration,
 }
 
 /// How the job ended: the code `horovodrun` exits with and what it prints.
@@ -113,6 +121,10 @@ struct Driver {
     handles: HashMap<WorkerId, Handle>,
     hosts_of: HashMap<WorkerId, String>,
     regs: HashMap<WorkerId, Registration>,
+    /// When each registered worker whose connection is open was last heard from (any
+    /// message counts); a worker leaves it when it is declared silent, closes its connection
+    /// or exits.
+    heard: HashMap<WorkerId, Instant>,
     relays: Vec<tokio::task::JoinHandle<()>>,
     ending: Option<Ending>,
 }
@@ -131,6 +143,87 @@ impl Driver {
                     queue.push(more);
                 }
             }
+        }
+    }
+
+    /// Handles one message of the rendezvous connections.
+    fn wire(&mut self, w: Wire) {
+        match w {
+            Wire::Registered(reg) => {
+                let id = reg.worker;
+                if self.hosts_of.contains_key(&id) {
+                    tracing::debug!(worker = id, host = %reg.host, addr = %reg.addr, pid = reg.pid, "worker connected");
+                    self.regs.insert(id, reg);
+                    self.heard.insert(id, Instant::now());
+                    self.feed(Input::Registered(id));
+                } else {
+                    reg.send(&DriverMsg::Refused {
+                        reason: format!("no worker {id} was started by this job"),
+                    });
+                }
+            }
+            Wire::Joined {
+                worker,
+                reason,
+                generation,
+            } => {
+                self.heard_from(worker);
+                tracing::debug!(worker, generation, "join request");
+                self.feed(Input::Joined { worker, reason });
+            }
+            Wire::AbortSeen { worker, generation } => {
+                self.heard_from(worker);
+                self.feed(Input::AbortSeen { worker, generation });
+            }
+            Wire::Synced { worker, generation } => {
+                self.heard_from(worker);
+                tracing::debug!(worker, generation, "worker synced the state");
+                self.feed(Input::Synced { worker, generation });
+            }
+            Wire::Pong { worker } => self.heard_from(worker),
+            Wire::Left { worker, clean } => {
+                // It can't answer pings any more; its exit (which follows) is what counts.
+                self.heard.remove(&worker);
+                tracing::debug!(worker, clean, "worker connection closed");
+            }
+        }
+    }
+
+    fn heard_from(&mut self, worker: WorkerId) {
+        if let Some(t) = self.heard.get_mut(&worker) {
+            *t = Instant::now();
+        }
+    }
+
+    /// Pings every registered worker whose connection is open.
+    fn ping(&self) {
+        for id in self.heard.keys() {
+            if let Some(r) = self.regs.get(id) {
+                r.send(&DriverMsg::Ping);
+            }
+        }
+    }
+
+    /// When the first worker becomes silent for longer than the heartbeat timeout.
+    fn next_silence(&self) -> Option<Instant> {
+        let timeout = self.spec.heartbeat_timeout;
+        self.heard.values().min().map(|&t| t + timeout)
+    }
+
+    /// Tells the core of every worker silent for longer than the heartbeat timeout, once.
+    fn declare_silent(&mut self) {
+        let now = Instant::now();
+        let timeout = self.spec.heartbeat_timeout;
+        let mut silent: Vec<(WorkerId, Duration)> = self
+            .heard
+            .iter()
+            .map(|(&w, &t)| (w, now.saturating_duration_since(t)))
+            .filter(|&(_, s)| s >= timeout)
+            .collect();
+        silent.sort_unstable();
+        for (worker, silent) in silent {
+            self.heard.remove(&worker);
+            self.feed(Input::Unresponsive { worker, silent });
         }
     }
 
@@ -398,49 +491,36 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         handles: HashMap::new(),
         hosts_of: HashMap::new(),
         regs: HashMap::new(),
+        heard: HashMap::new(),
         relays: Vec::new(),
         ending: None,
     };
     let mut interrupted = None;
+    let mut pings = tokio::time::interval(rendezvous::ping_period(d.spec.heartbeat_timeout));
+    pings.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let far = Duration::from_secs(3600 * 24 * 365);
     while !d.core.finished() && interrupted.is_none() {
-        let tick = d
-            .core
-            .next_deadline()
-            .map_or(d.t0 + Duration::from_secs(3600 * 24 * 365), |t| d.t0 + t);
+        let tick = d.core.next_deadline().map_or(d.t0 + far, |t| d.t0 + t);
+        let silence = d.next_silence().unwrap_or(d.t0 + far);
         tokio::select! {
             Some(input) = disc_rx.recv() => d.feed(input),
-            Some(w) = wire_rx.recv() => match w {
-                Wire::Registered(reg) => {
-                    let id = reg.worker;
-                    if d.hosts_of.contains_key(&id) {
-                        tracing::debug!(worker = id, host = %reg.host, addr = %reg.addr, pid = reg.pid, "worker connected");
-                        d.regs.insert(id, reg);
-                        d.feed(Input::Registered(id));
-                    } else {
-                        reg.send(&DriverMsg::Refused { reason: format!("no worker {id} was started by this job") });
-                    }
-                }
-                Wire::Joined { worker, reason, generation } => {
-                    tracing::debug!(worker, generation, "join request");
-                    d.feed(Input::Joined { worker, reason });
-                }
-                Wire::AbortSeen { worker, generation } => {
-                    d.feed(Input::AbortSeen { worker, generation });
-                }
-                Wire::Synced { worker, generation } => {
-                    tracing::debug!(worker, generation, "worker synced the state");
-                    d.feed(Input::Synced { worker, generation });
-                }
-                Wire::Left { worker, clean } => {
-                    tracing::debug!(worker, clean, "worker connection closed");
-                }
-            },
+            Some(w) = wire_rx.recv() => d.wire(w),
             Some(Exit { worker, end }) = exit_rx.recv() => {
                 d.handles.remove(&worker);
                 d.regs.remove(&worker);
+                d.heard.remove(&worker);
                 d.feed(Input::Exited { worker, exit: describe(end) });
             }
             () = sleep_until(tick) => d.feed(Input::Tick),
+            _ = pings.tick() => d.ping(),
+            () = sleep_until(silence) => {
+                // Answers already queued count: a driver that was itself held up must not
+                // blame the workers for it.
+                while let Ok(w) = wire_rx.try_recv() {
+                    d.wire(w);
+                }
+                d.declare_silent();
+            }
             _ = sigint.recv() => interrupted = Some(Signal::SIGINT),
             _ = sigterm.recv() => interrupted = Some(Signal::SIGTERM),
         }

@@ -7,7 +7,11 @@
 //! left or hung, since its collectives then fail (but a death goes unnoticed while a hung
 //! member holds the round's collectives: only the core's abort tells the others). Some
 //! members are busy, in a long computation, and notice only after the round timeout; every
-//! member that is not hung answers an abort at once. Meanwhile the cluster kills workers, hangs some, and changes what
+//! member that is not hung answers an abort at once. Where a scenario has heartbeats, a hung
+//! worker that had registered is frozen: its driver connection answers no ping either, and
+//! the core hears of it ([`Input::Unresponsive`]) once it has been silent for the heartbeat
+//! timeout; it must then stop it at once (a busy member keeps answering, so it is never
+//! reported). Meanwhile the cluster kills workers, hangs some, and changes what
 //! discovery reports: hosts come, go, crash and change their slots (to zero, where a scenario
 //! allows), some polls fail and some list no host at all. Then the churn stops, the job
 //! settles, and the workers of the last round exit 0. Time is simulated: the core gets an
@@ -179,6 +183,10 @@ struct Scenario {
     /// Chance that a poll brings a spot fleet that replaces every host: the old ones leave
     /// discovery in the same poll or soon after.
     swap: f64,
+    /// `--heartbeat-timeout`: a hung worker that registered is reported silent after it.
+    /// `None` models hung training threads whose connections still answer pings, so that
+    /// only the round and progress timeouts catch them.
+    heartbeat: Option<Duration>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -201,6 +209,8 @@ enum Event {
     Kill,
     /// Churn: a random worker hangs.
     Hang,
+    /// A frozen worker has answered no ping for the heartbeat timeout.
+    Silent(WorkerId),
     /// Discovery runs (and, during churn, the hosts change first).
     Poll,
     /// The churn stops.
@@ -218,6 +228,7 @@ impl Event {
                 | Self::AbortSeen(..)
                 | Self::Break(_)
                 | Self::Sync(_)
+                | Self::Silent(_)
         )
     }
 }
@@ -310,6 +321,8 @@ struct Stats {
     kept: u64,
     /// Rounds that started without the committed state because every holder failed.
     lost_to_failures: u64,
+    /// Frozen workers the core heard of through the heartbeat while they were still live.
+    silent: u64,
 }
 
 /// How one run ended.
@@ -700,9 +713,35 @@ impl Sim {
                 self.stats.hangs += 1;
                 let p = self.procs.get_mut(&id).expect("alive");
                 p.hung = true;
+                let registered = matches!(p.life, Life::Ready | Life::Running(_) | Life::Joining);
                 if let Life::Running(g) = p.life {
                     let d = self.rng.ms(PROGRESS_MS);
                     self.push(d, Event::Break(g));
+                }
+                if let (Some(t), true) = (self.sc.heartbeat, registered) {
+                    // Its last answer came up to a ping period before it froze.
+                    let d = t.saturating_sub(self.rng.ms((0, t.as_millis() as u64 / 4)));
+                    self.push(d, Event::Silent(id));
+                }
+                Ok(())
+            }
+            Event::Silent(id) => {
+                let p = &self.procs[&id];
+                if p.life == Life::Dead {
+                    return Ok(());
+                }
+                let live = !p.told;
+                self.feed(Input::Unresponsive {
+                    worker: id,
+                    silent: self.sc.heartbeat.unwrap_or_default(),
+                })?;
+                if live {
+                    self.stats.silent += 1;
+                    ensure!(
+                        self,
+                        self.procs[&id].stopped || self.ending.is_some(),
+                        "worker {id} was reported frozen but the core did not stop it"
+                    );
                 }
                 Ok(())
             }
@@ -1117,6 +1156,11 @@ impl Sim {
                 t.u64(8);
                 t.u64(*worker);
                 t.u64(*generation);
+            }
+            Input::Unresponsive { worker, silent } => {
+                t.u64(9);
+                t.u64(*worker);
+                t.u64(silent.as_millis() as u64);
             }
         }
     }
@@ -1760,7 +1804,7 @@ fn run_seeds(name: &str, sc: Scenario, seeds: &[u64]) -> Vec<Outcome> {
                 let s = &o.stats;
                 println!(
                     "{name} seed {seed}: {} inputs, {} rounds of {}..={} workers, {} started, \
-                     {} killed, {} hung, {} host changes ({} hosts), {} announcements, \
+                     {} killed, {} hung ({} caught by the heartbeat), {} host changes ({} hosts), {} announcements, \
                      {} aborts of held rounds, {} fleet swaps, {} rounds keeping a worker for \
                      the state, {} rounds without it after failures, \
                      {} failed polls, longest pause {:.0}s; ended at t={:.0}s with {}: {} \
@@ -1772,6 +1816,7 @@ fn run_seeds(name: &str, sc: Scenario, seeds: &[u64]) -> Vec<Outcome> {
                     s.started,
                     s.kills,
                     s.hangs,
+                    s.silent,
                     s.host_changes,
                     s.hosts_seen,
                     s.announcements,
@@ -1826,6 +1871,7 @@ fn base() -> Scenario {
         empty_polls: 0.0,
         start_hang: 0.01,
         swap: 0.0,
+        heartbeat: None,
     }
 }
 
@@ -1886,6 +1932,22 @@ fn churn_with_hung_workers_keeps_every_promise() {
     assert!(
         outcomes.iter().any(|o| o.stats.held_aborts > 0),
         "no death happened in a held round; the scenario does not test the abort"
+    );
+}
+
+/// Workers freeze often, and the driver's heartbeat catches the registered ones: each is
+/// stopped at once and its round re-run, before its peers' collectives would time out.
+#[test]
+fn churn_with_frozen_workers_caught_by_the_heartbeat_keeps_every_promise() {
+    let sc = Scenario {
+        hang_every: secs(60),
+        heartbeat: Some(secs(10)),
+        ..base()
+    };
+    let outcomes = run_seeds("frozen", sc, &[61, 62, 63]);
+    assert!(
+        outcomes.iter().all(|o| o.stats.silent > 0),
+        "a seed froze no registered worker; the scenario does not test the heartbeat"
     );
 }
 
