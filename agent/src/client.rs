@@ -82,12 +82,15 @@ pub enum AgentError {
         /// `host:port`.
         addr: String,
     },
-    /// No nonce could be made.
-    #[error(transparent)]
-    Random(#[from] auth::RandomError),
-    /// No MAC could be computed.
-    #[error(transparent)]
-    Key(#[from] auth::KeyError),
+    /// The handshake could not be made or read (no randomness, a malformed nonce or proof).
+    #[error("authenticating with the hvd agent at {addr}: {source}")]
+    Auth {
+        /// `host:port`.
+        addr: String,
+        /// What went wrong.
+        #[source]
+        source: auth::AuthError,
+    },
 }
 
 /// Messages from one agent.
@@ -148,22 +151,28 @@ async fn handshake(addr: &str, secret: &str) -> Result<(Events, Requests), Agent
         Some(FromAgent::Challenge { nonce }) => nonce,
         other => return Err(events.unexpected(other)),
     };
-    let ours = auth::nonce()?;
+    let failed = |source| AgentError::Auth {
+        addr: addr.to_string(),
+        source,
+    };
+    let theirs = auth::Nonce::from_hex(&theirs).map_err(failed)?;
+    let hs = auth::Handshake::new(secret, auth::CONTEXT, auth::Role::Dialer).map_err(failed)?;
     requests
         .send(&ToAgent::Auth {
-            mac: auth::mac(secret, auth::DRIVER_LABEL, &theirs)?,
-            nonce: ours.clone(),
+            mac: hs.proof(&theirs).to_hex(),
+            nonce: hs.nonce().to_hex(),
         })
         .await?;
     match events.next().await? {
-        Some(FromAgent::Welcome { mac })
-            if auth::verify(secret, auth::AGENT_LABEL, &ours, &mac) =>
-        {
-            Ok((events, requests))
+        Some(FromAgent::Welcome { mac }) => {
+            // A malformed proof is as wrong as a false one.
+            match auth::Tag::from_hex(&mac).and_then(|proof| hs.verify(&theirs, &proof)) {
+                Ok(_session) => Ok((events, requests)),
+                Err(_) => Err(AgentError::Impostor {
+                    addr: addr.to_string(),
+                }),
+            }
         }
-        Some(FromAgent::Welcome { .. }) => Err(AgentError::Impostor {
-            addr: addr.to_string(),
-        }),
         other => Err(events.unexpected(other)),
     }
 }

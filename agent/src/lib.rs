@@ -2,8 +2,8 @@
 //! training processes the driver asks for, in place of `ssh`.
 //!
 //! - [`proto`]: the JSON-lines messages ([`ToAgent`], [`FromAgent`]).
-//! - [`auth`]: the HMAC-SHA256 challenge–response both sides run with the shared secret
-//!   ([`ENV_AGENT_SECRET`]) before anything else.
+//! - [`auth`]: the job's one authentication ([`hvd_auth`]), a mutual challenge–response both
+//!   sides run with the shared secret ([`ENV_AGENT_SECRET`]) before anything else.
 //! - [`serve`]: the agent's server. Processes run in their own process groups; when the
 //!   connection that started them ends, they are stopped, so a dead driver leaves no orphans.
 //! - [`connect`]: the driver's client, returning the two halves of an authenticated connection.

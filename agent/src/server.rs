@@ -43,8 +43,6 @@ const AUTH_MAX_LINE: usize = 4096;
 const OUT_QUEUE: usize = 1024;
 /// Longest output line sent as one message; longer lines are split.
 const MAX_OUTPUT_LINE: usize = 64 * 1024;
-/// Shortest driver nonce accepted (hex digits).
-const MIN_NONCE: usize = 16;
 
 /// Environment variables the agent keeps from the processes it starts.
 const PRIVATE_ENV: &[&str] = &[crate::ENV_AGENT_SECRET];
@@ -231,9 +229,10 @@ async fn handshake(
     out: &mpsc::Sender<FromAgent>,
     secret: &str,
 ) -> Result<(), String> {
-    let nonce = auth::nonce().map_err(|e| e.to_string())?;
+    let hs = auth::Handshake::new(secret, auth::CONTEXT, auth::Role::Listener)
+        .map_err(|e| e.to_string())?;
     out.send(FromAgent::Challenge {
-        nonce: nonce.clone(),
+        nonce: hs.nonce().to_hex(),
     })
     .await
     .map_err(|_| "connection closed".to_string())?;
@@ -255,16 +254,16 @@ async fn handshake(
         Ok(_) => return Err("a request before authentication".into()),
         Err(e) => return Err(format!("bad authentication message: {e}")),
     };
-    if !auth::verify(secret, auth::DRIVER_LABEL, &nonce, &mac) {
+    let theirs = auth::Nonce::from_hex(&theirs).map_err(|e| format!("driver {e}"))?;
+    let proof = auth::Tag::from_hex(&mac).map_err(|e| format!("driver {e}"))?;
+    if hs.verify(&theirs, &proof).is_err() {
         return Err("wrong secret".into());
     }
-    if theirs.len() < MIN_NONCE {
-        return Err(format!("driver nonce shorter than {MIN_NONCE} hex digits"));
-    }
-    let mac = auth::mac(secret, auth::AGENT_LABEL, &theirs).map_err(|e| e.to_string())?;
-    out.send(FromAgent::Welcome { mac })
-        .await
-        .map_err(|_| "connection closed".to_string())
+    out.send(FromAgent::Welcome {
+        mac: hs.proof(&theirs).to_hex(),
+    })
+    .await
+    .map_err(|_| "connection closed".to_string())
 }
 
 async fn request(

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use hvd_agent::auth::{AGENT_LABEL, DRIVER_LABEL, mac};
+use hvd_agent::auth::{CONTEXT, Handshake, Nonce, Role, Tag};
 use hvd_agent::{
     AgentError, Events, FromAgent, Limits, Requests, Stream, ToAgent, connect, serve,
     serve_with_limits,
@@ -95,15 +95,16 @@ impl Raw {
         let FromAgent::Challenge { nonce } = c.recv().await.unwrap() else {
             panic!("no challenge")
         };
-        let ours = "0123456789abcdef0123456789abcdef";
+        let theirs = Nonce::from_hex(&nonce).unwrap();
+        let hs = Handshake::new(SECRET, CONTEXT, Role::Dialer).unwrap();
         c.send(&ToAgent::Auth {
-            mac: mac(SECRET, DRIVER_LABEL, &nonce).unwrap(),
-            nonce: ours.into(),
+            mac: hs.proof(&theirs).to_hex(),
+            nonce: hs.nonce().to_hex(),
         })
         .await;
         match c.recv().await {
             Some(FromAgent::Welcome { mac: m }) => {
-                assert_eq!(m, mac(SECRET, AGENT_LABEL, ours).unwrap())
+                hs.verify(&theirs, &Tag::from_hex(&m).unwrap()).unwrap();
             }
             other => panic!("{other:?}"),
         }
@@ -478,9 +479,9 @@ async fn the_client_keeps_a_message_cut_across_reads_when_its_read_is_cancelled(
     tokio::spawn(async move {
         let (s, _) = listener.accept().await.unwrap();
         let (r, mut w) = s.into_split();
-        let nonce = "00112233445566778899aabbccddeeff";
+        let hs = Handshake::new(SECRET, CONTEXT, Role::Listener).unwrap();
         let challenge = FromAgent::Challenge {
-            nonce: nonce.into(),
+            nonce: hs.nonce().to_hex(),
         };
         w.write_all(&encode_line(&challenge).unwrap())
             .await
@@ -491,7 +492,7 @@ async fn the_client_keeps_a_message_cut_across_reads_when_its_read_is_cancelled(
             panic!("{line}")
         };
         let welcome = FromAgent::Welcome {
-            mac: mac(SECRET, AGENT_LABEL, &theirs).unwrap(),
+            mac: hs.proof(&Nonce::from_hex(&theirs).unwrap()).to_hex(),
         };
         w.write_all(&encode_line(&welcome).unwrap()).await.unwrap();
         let out = FromAgent::Output {
@@ -655,10 +656,11 @@ async fn connections_authenticating_at_once_are_limited() {
         matches!(&err, AgentError::Refused { reason, .. } if reason.contains("too many")),
         "{err:?}"
     );
+    let hs = Handshake::new(SECRET, CONTEXT, Role::Dialer).unwrap();
     first
         .send(&ToAgent::Auth {
-            mac: mac(SECRET, DRIVER_LABEL, &nonce).unwrap(),
-            nonce: "0123456789abcdef0123456789abcdef".into(),
+            mac: hs.proof(&Nonce::from_hex(&nonce).unwrap()).to_hex(),
+            nonce: hs.nonce().to_hex(),
         })
         .await;
     assert!(matches!(

@@ -493,16 +493,18 @@ mod tests {
                 reader: BufReader::new(r),
                 writer,
             };
-            let nonce = auth::nonce().unwrap();
+            let hs = auth::Handshake::new(SECRET, auth::CONTEXT, auth::Role::Listener).unwrap();
             fake.send(&FromAgent::Challenge {
-                nonce: nonce.clone(),
+                nonce: hs.nonce().to_hex(),
             })
             .await;
             let ToAgent::Auth { mac, nonce: theirs } = fake.recv().await else {
                 panic!("no auth");
             };
-            assert!(auth::verify(SECRET, auth::DRIVER_LABEL, &nonce, &mac));
-            let mac = auth::mac(SECRET, auth::AGENT_LABEL, &theirs).unwrap();
+            let theirs = auth::Nonce::from_hex(&theirs).unwrap();
+            hs.verify(&theirs, &auth::Tag::from_hex(&mac).unwrap())
+                .unwrap();
+            let mac = hs.proof(&theirs).to_hex();
             fake.send(&FromAgent::Welcome { mac }).await;
             fake
         }
