@@ -1,6 +1,7 @@
 //! Seeded chaos against a real elastic job: `elastic_counter` on local hosts 127.0.0.2–7 while
-//! workers are killed one by one or a host at a time, stopped and resumed, hosts leave and
-//! join discovery, and discovery fails, hangs or prints garbage. After the job the counter's
+//! workers are killed one by one or a host at a time, stopped (one or a host's, briefly or
+//! past the heartbeat timeout, when the driver kills them as frozen), hosts leave and join
+//! discovery, and discovery fails, hangs or prints garbage. After the job the counter's
 //! invariants hold (no committed step lost or applied twice, every rank agrees), the job exits
 //! 0, and none of its processes is left.
 //!
@@ -59,6 +60,7 @@ enum Fault {
     KillWorker,
     KillHost,
     Stop,
+    StopHost,
     RemoveHost,
     AddHost,
     DiscoveryFails,
@@ -126,6 +128,8 @@ fn chaos(seed: u64, faults: usize) -> Summary {
             "3",
             "--start-timeout",
             "5",
+            "--heartbeat-timeout",
+            "2",
             "--discovery-timeout",
             "2",
             "--reset-limit",
@@ -152,20 +156,31 @@ fn chaos(seed: u64, faults: usize) -> Summary {
         pids_seen.extend(workers.iter().map(|w| w.0));
         let on = |h: &str| workers.iter().filter(|w| w.2 == h).count();
         let busy: Vec<&str> = live.iter().copied().filter(|h| on(h) > 0).collect();
-        let mut fault = match rng.below(8) {
+        let mut fault = match rng.below(9) {
             0 => Fault::KillWorker,
             1 => Fault::KillHost,
             2 => Fault::Stop,
-            3 => Fault::RemoveHost,
-            4 => Fault::AddHost,
-            5 => Fault::DiscoveryFails,
-            6 => Fault::DiscoveryHangs,
+            3 => Fault::StopHost,
+            4 => Fault::RemoveHost,
+            5 => Fault::AddHost,
+            6 => Fault::DiscoveryFails,
+            7 => Fault::DiscoveryHangs,
             _ => Fault::DiscoveryGarbage,
         };
         // A kill must leave a survivor of the round that holds the state: only while the job
         // trains on two hosts or more, one host at a time.
         let killable = size >= 4 && busy.len() >= 2;
         if matches!(fault, Fault::KillWorker | Fault::KillHost) && !killable {
+            fault = Fault::AddHost;
+        }
+        // A stop past the heartbeat timeout (2 s) is a failure too: the driver kills the
+        // frozen process. Shorter stops only delay its peers.
+        let stop_for = if killable {
+            rng.millis(500, 4000)
+        } else {
+            rng.millis(300, 1500)
+        };
+        if fault == Fault::StopHost && busy.is_empty() {
             fault = Fault::AddHost;
         }
         if fault == Fault::RemoveHost && live.len() < 2 {
@@ -186,11 +201,22 @@ fn chaos(seed: u64, faults: usize) -> Summary {
                 }
                 recovers = true;
             }
-            Fault::Stop => {
-                if let Some((pid, _, _)) = workers.get(rng.below(workers.len())).cloned() {
+            Fault::Stop | Fault::StopHost => {
+                let pids: Vec<i32> = if fault == Fault::Stop {
+                    workers
+                        .get(rng.below(workers.len()))
+                        .map(|w| w.0)
+                        .into_iter()
+                        .collect()
+                } else {
+                    job.pids_on(busy[rng.below(busy.len())])
+                };
+                for &pid in &pids {
                     signal(pid, Signal::SIGSTOP);
-                    thread::sleep(rng.millis(500, 2000));
-                    // Resumed, or already killed by the driver as a silent member.
+                }
+                thread::sleep(stop_for);
+                // Resumed, or already killed by the driver as frozen.
+                for &pid in &pids {
                     signal(pid, Signal::SIGCONT);
                 }
             }
