@@ -132,6 +132,47 @@ impl Communicator {
     /// [`CommError::InvalidArgument`] for a bad config, [`CommError::Connect`] when a peer cannot
     /// be reached or refuses the handshake within `cfg.connect_timeout`.
     pub fn connect(cfg: CommConfig, listener: &TcpListener, peers: &[SocketAddr]) -> Result<Self> {
+        Self::connect_abortable(cfg, listener, peers, &AbortHandle::new())
+    }
+
+    /// [`Communicator::connect`] that `abort` can cancel while it connects, and that becomes
+    /// the communicator's own abort handle once connected (what
+    /// [`Communicator::abort_handle`] returns). Elastic workers make the handle first and hand
+    /// it to whoever learns that the round failed, so a peer's death while the mesh forms
+    /// ends the connecting at once instead of after `cfg.connect_timeout`.
+    ///
+    /// A peer that dies while the mesh forms fails it as soon as its connection closes; this
+    /// rank then shuts its own connections down, so the ranks waiting on it fail as fast.
+    ///
+    /// # Errors
+    /// As [`Communicator::connect`]; [`CommError::Aborted`] once `abort` is aborted (before or
+    /// during the call); [`CommError::PeerLost`] or [`CommError::Io`] when a peer's connection
+    /// closes before the communicator is built.
+    pub fn connect_abortable(
+        cfg: CommConfig,
+        listener: &TcpListener,
+        peers: &[SocketAddr],
+        abort: &AbortHandle,
+    ) -> Result<Self> {
+        let shared = &abort.shared;
+        let built = Self::connect_with(cfg, listener, peers, shared);
+        if built.is_err() {
+            // Peers blocked on this rank's sockets learn at once that the mesh will not form.
+            shared.trip();
+        }
+        match (built, shared.abort_reason()) {
+            (Err(e), None) => Err(e),
+            (_, Some(reason)) => Err(CommError::Aborted { reason }),
+            (Ok(comm), None) => Ok(comm),
+        }
+    }
+
+    fn connect_with(
+        cfg: CommConfig,
+        listener: &TcpListener,
+        peers: &[SocketAddr],
+        shared: &Arc<Shared>,
+    ) -> Result<Self> {
         cfg.validate()
             .map_err(|detail| CommError::InvalidArgument {
                 op: "connect",
@@ -146,7 +187,7 @@ impl Communicator {
         let connect::Mesh {
             primary: mut streams,
             extra,
-        } = connect::mesh(&cfg, listener, peers)?;
+        } = connect::mesh(&cfg, listener, peers, shared)?;
         let host_of = host_groups(peers);
         let mailbox = Mailbox::new(cfg.small_bytes);
         let agreed = crate::cma::negotiate(
@@ -163,7 +204,10 @@ impl Communicator {
             source,
         })?;
         let forced = cfg.hierarchical == Some(true);
-        let mut comm = Self::from_streams(cfg, streams, Arc::new(Shared::default()));
+        // The communicator registers its own duplicates of the sockets (an abort from here on
+        // reaches them through those).
+        shared.forget_streams();
+        let mut comm = Self::from_streams(cfg, streams, Arc::clone(shared));
         comm.set_extra(extra)?;
         comm.cma = agreed.world.then(|| agreed.pids.clone());
         comm.mailbox = mailbox;

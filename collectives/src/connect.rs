@@ -7,12 +7,15 @@
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+
 use crate::config::CommConfig;
 use crate::error::{CommError, Result};
-use crate::link::read_full;
+use crate::link::{Shared, read_full};
 
 const HELLO_MAGIC: u32 = 0x4856_4448; // "HVDH"
 const PROTOCOL_VERSION: u8 = 4;
@@ -20,6 +23,11 @@ const PROTOCOL_VERSION: u8 = 4;
 /// stream count in the top 4.
 const RANK_BITS: u32 = 24;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest a wait for peers goes without checking for an abort (or a dead peer).
+const CHECK_EVERY: Duration = Duration::from_millis(5);
+/// The pause before dialing a peer that refused again (its listener is bound before the
+/// addresses are exchanged, so a refusal is rare: a slow network, or a peer that is gone).
+const RETRY_EVERY: Duration = Duration::from_millis(10);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -109,7 +117,31 @@ pub(crate) struct Mesh {
 }
 
 /// Connects to every peer, `cfg.streams` times each.
-pub(crate) fn mesh(cfg: &CommConfig, listener: &TcpListener, peers: &[SocketAddr]) -> Result<Mesh> {
+///
+/// Every socket is registered with `shared` as soon as it exists, so an abort (which shuts the
+/// registered sockets down) ends a blocked handshake at once; the waits between sockets check
+/// for an abort every [`CHECK_EVERY`]. While it waits for higher ranks to dial in, it watches
+/// the connections it already has: a peer that closes one (it died) fails the mesh at once
+/// with [`CommError::PeerLost`] instead of leaving this rank waiting for the deadline.
+pub(crate) fn mesh(
+    cfg: &CommConfig,
+    listener: &TcpListener,
+    peers: &[SocketAddr],
+    shared: &Shared,
+) -> Result<Mesh> {
+    let built = build(cfg, listener, peers, shared);
+    match (built, shared.abort_reason()) {
+        (Err(_), Some(reason)) => Err(CommError::Aborted { reason }),
+        (built, _) => built,
+    }
+}
+
+fn build(
+    cfg: &CommConfig,
+    listener: &TcpListener,
+    peers: &[SocketAddr],
+    shared: &Shared,
+) -> Result<Mesh> {
     let deadline = Instant::now() + cfg.connect_timeout;
     let k = cfg.streams;
     let mut slots: Vec<Vec<Option<TcpStream>>> = (0..cfg.size)
@@ -117,7 +149,7 @@ pub(crate) fn mesh(cfg: &CommConfig, listener: &TcpListener, peers: &[SocketAddr
         .collect();
     for (j, addr) in peers.iter().enumerate().take(cfg.rank) {
         for (index, slot) in slots[j].iter_mut().enumerate() {
-            *slot = Some(dial(cfg, j, index, *addr, deadline)?);
+            *slot = Some(dial(cfg, j, index, *addr, deadline, shared)?);
         }
     }
     listener
@@ -125,40 +157,60 @@ pub(crate) fn mesh(cfg: &CommConfig, listener: &TcpListener, peers: &[SocketAddr
         .map_err(|e| io_err("listener", e))?;
     let mut missing = (cfg.size - cfg.rank - 1) * k;
     while missing > 0 {
-        match listener.accept() {
-            Ok((mut s, from)) => {
-                tune(&s).map_err(|e| io_err("accepted socket", e))?;
-                match admit(cfg, &mut s) {
-                    Ok((j, index)) if slots[j][index].is_none() => {
-                        slots[j][index] = Some(s);
-                        missing -= 1;
+        if let Some(reason) = shared.abort_reason() {
+            return Err(CommError::Aborted { reason });
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let waiting: Vec<usize> = (cfg.rank + 1..cfg.size)
+                .filter(|&j| slots[j].iter().any(Option::is_none))
+                .collect();
+            return Err(CommError::Connect {
+                rank: waiting[0],
+                addr: peers
+                    .get(waiting[0])
+                    .map_or_else(String::new, |a| a.to_string()),
+                detail: format!(
+                    "ranks {waiting:?} did not connect within {:?}",
+                    cfg.connect_timeout
+                ),
+            });
+        }
+        if let Some(j) = wait_for_dialers(listener, &slots, left.min(CHECK_EVERY))? {
+            return Err(CommError::PeerLost {
+                rank: j,
+                op: "connect",
+                source: io::Error::new(
+                    io::ErrorKind::ConnectionReset,
+                    "the peer closed its connection while the mesh was being built",
+                ),
+            });
+        }
+        loop {
+            match listener.accept() {
+                Ok((mut s, from)) => {
+                    tune(&s).map_err(|e| io_err("accepted socket", e))?;
+                    shared
+                        .register(&s)
+                        .map_err(|e| io_err("registering a connection", e))?;
+                    match admit(cfg, &mut s) {
+                        Ok((j, index)) if slots[j][index].is_none() => {
+                            slots[j][index] = Some(s);
+                            missing -= 1;
+                        }
+                        Ok((j, index)) => {
+                            tracing::warn!(peer = j, index, %from, "duplicate connection refused");
+                        }
+                        Err(why) => tracing::warn!(%from, %why, "peer connection refused"),
                     }
-                    Ok((j, index)) => {
-                        tracing::warn!(peer = j, index, %from, "duplicate connection refused");
-                    }
-                    Err(why) => tracing::warn!(%from, %why, "peer connection refused"),
                 }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_err("accepting peer connections", e)),
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let waiting: Vec<usize> = (cfg.rank + 1..cfg.size)
-                        .filter(|&j| slots[j].iter().any(Option::is_none))
-                        .collect();
-                    return Err(CommError::Connect {
-                        rank: waiting[0],
-                        addr: peers
-                            .get(waiting[0])
-                            .map_or_else(String::new, |a| a.to_string()),
-                        detail: format!(
-                            "ranks {waiting:?} did not connect within {:?}",
-                            cfg.connect_timeout
-                        ),
-                    });
-                }
-                thread::sleep(Duration::from_millis(1));
+            if shared.is_aborted() {
+                break;
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io_err("accepting peer connections", e)),
         }
     }
     let mut primary = Vec::with_capacity(cfg.size);
@@ -171,11 +223,104 @@ pub(crate) fn mesh(cfg: &CommConfig, listener: &TcpListener, peers: &[SocketAddr
     Ok(Mesh { primary, extra })
 }
 
+/// Waits up to `wait` for a connection on `listener`, watching the connections already made;
+/// returns the rank of a peer that closed one.
+fn wait_for_dialers(
+    listener: &TcpListener,
+    slots: &[Vec<Option<TcpStream>>],
+    wait: Duration,
+) -> Result<Option<usize>> {
+    let mut owners = Vec::new();
+    let mut fds = vec![PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+    for (j, per_peer) in slots.iter().enumerate() {
+        for s in per_peer.iter().flatten() {
+            // A peer's early data (it finished its own mesh and moved on) is not a hang-up:
+            // only the end of its stream is watched.
+            fds.push(PollFd::new(s.as_fd(), rdhup()));
+            owners.push(j);
+        }
+    }
+    let timeout =
+        PollTimeout::try_from(wait.max(Duration::from_millis(1))).unwrap_or(PollTimeout::MAX);
+    match poll(&mut fds, timeout) {
+        Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+        Err(e) => return Err(io_err("waiting for peer connections", e.into())),
+    }
+    // `revents` is `None` when the kernel set a flag `nix` does not name: `POLLRDHUP`, the only
+    // one asked for that it lacks.
+    let gone = |fd: &PollFd<'_>| {
+        fd.revents().is_none_or(|r| {
+            r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR | PollFlags::POLLNVAL)
+        })
+    };
+    Ok(fds[1..]
+        .iter()
+        .zip(&owners)
+        .find(|(fd, _)| gone(fd))
+        .map(|(_, &j)| j))
+}
+
+/// `POLLRDHUP` (Linux): the peer closed its end of the stream. `nix` names no constant for it.
+fn rdhup() -> PollFlags {
+    PollFlags::from_bits_retain(nix::libc::POLLRDHUP)
+}
+
 fn io_err(context: &str, source: io::Error) -> CommError {
     CommError::Io {
         context: context.into(),
         source,
     }
+}
+
+/// Opens a TCP connection to `addr` without blocking past [`CHECK_EVERY`] at a time, so an
+/// abort ends the attempt (a peer whose host is gone may never answer a SYN).
+fn open(addr: SocketAddr, deadline: Instant, shared: &Shared) -> io::Result<TcpStream> {
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, SockaddrStorage, connect, getsockopt, socket,
+        sockopt::SocketError,
+    };
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd: OwnedFd = socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    match connect(fd.as_raw_fd(), &SockaddrStorage::from(addr)) {
+        Ok(()) => {}
+        Err(nix::errno::Errno::EINPROGRESS | nix::errno::Errno::EINTR) => loop {
+            if shared.is_aborted() {
+                return Err(io::Error::new(io::ErrorKind::Interrupted, "aborted"));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "connection timed out",
+                ));
+            }
+            let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLOUT)];
+            let wait = left.clamp(Duration::from_millis(1), CHECK_EVERY);
+            let timeout = PollTimeout::try_from(wait).unwrap_or(PollTimeout::MAX);
+            match poll(&mut fds, timeout) {
+                Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
+                Ok(_) => {}
+                Err(e) => return Err(e.into()),
+            }
+            match getsockopt(&fd, SocketError)? {
+                0 => break,
+                code => return Err(io::Error::from_raw_os_error(code)),
+            }
+        },
+        Err(e) => return Err(e.into()),
+    }
+    let s = TcpStream::from(fd);
+    s.set_nonblocking(false)?;
+    Ok(s)
 }
 
 /// Opens connection `index` to lower rank `j`, retrying while it is not yet listening.
@@ -185,6 +330,7 @@ fn dial(
     index: usize,
     addr: SocketAddr,
     deadline: Instant,
+    shared: &Shared,
 ) -> Result<TcpStream> {
     let fail = |detail: String| CommError::Connect {
         rank: j,
@@ -192,16 +338,22 @@ fn dial(
         detail,
     };
     let mut s = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
+        if let Some(reason) = shared.abort_reason() {
+            return Err(CommError::Aborted { reason });
+        }
+        match open(addr, deadline, shared) {
             Ok(s) => break s,
-            Err(e) if Instant::now() < deadline => {
+            Err(e) if Instant::now() < deadline && !shared.is_aborted() => {
                 tracing::debug!(peer = j, %addr, error = %e, "peer not reachable yet; retrying");
-                thread::sleep(Duration::from_millis(10));
+                thread::sleep(RETRY_EVERY);
             }
             Err(e) => return Err(fail(e.to_string())),
         }
     };
+    // From here an abort shuts the socket down, which ends the wait for the answer below.
+    shared
+        .register(&s)
+        .map_err(|e| io_err("registering a connection", e))?;
     tune(&s).map_err(|e| fail(e.to_string()))?;
     let hello = Hello {
         version: PROTOCOL_VERSION,

@@ -25,13 +25,31 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Adds `stream` to those a failure shuts down. A stream registered after the trip is shut
+    /// down at once, so an abort that lands between a socket's creation and its registration
+    /// still reaches it.
     pub(crate) fn register(&self, stream: &TcpStream) -> io::Result<()> {
         let clone = stream.try_clone()?;
+        let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.tripped.load(Ordering::SeqCst) {
+            let _ = clone.shutdown(Shutdown::Both);
+        }
+        streams.push(clone);
+        Ok(())
+    }
+
+    /// Forgets the registered streams without closing them (the connect phase hands its
+    /// sockets over to the communicator, which registers its own duplicates).
+    pub(crate) fn forget_streams(&self) {
         self.streams
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push(clone);
-        Ok(())
+            .clear();
+    }
+
+    /// Whether [`AbortHandle::abort`] has been called.
+    pub(crate) fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
     }
 
     /// Closes every socket; returns true for the caller whose failure came first.
@@ -64,12 +82,22 @@ impl Shared {
 
 /// Aborts a communicator from any thread: every blocked or later collective on it returns
 /// [`CommError::Aborted`] promptly. Elastic reset uses it to cancel in-flight collectives.
-#[derive(Debug, Clone)]
+///
+/// A handle made with [`AbortHandle::new`] before connecting and passed to
+/// [`crate::Communicator::connect_abortable`] also cancels the connecting itself: dialing,
+/// accepting, the handshake and the agreements that follow it.
+#[derive(Debug, Clone, Default)]
 pub struct AbortHandle {
     pub(crate) shared: Arc<Shared>,
 }
 
 impl AbortHandle {
+    /// A handle for a communicator not connected yet (see
+    /// [`crate::Communicator::connect_abortable`]).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
     /// Aborts the communicator, recording `reason` for the error its calls return.
     pub fn abort(&self, reason: impl Into<String>) {
         {

@@ -53,7 +53,9 @@ struct Aborts {
 
 impl Inbox {
     /// Registers a communicator of round `generation`, forgetting those of older rounds; one
-    /// connected after the driver aborted its round is aborted at once.
+    /// registered after the driver aborted its round is aborted at once. A handle registered
+    /// before its communicator connects (see `Communicator::connect_abortable`) cancels the
+    /// connecting too.
     pub fn watch(&self, generation: u64, handle: AbortHandle) {
         let mut a = self.aborts.lock().unwrap_or_else(PoisonError::into_inner);
         a.watched.retain(|(g, _)| *g >= generation);

@@ -63,7 +63,14 @@ pub struct Launch {
     pub elastic: bool,
     /// How long a round may wait for enough hosts (`HOROVOD_ELASTIC_TIMEOUT`).
     pub elastic_timeout: Duration,
+    /// For tests only (`HVD_TEST_CONNECT_DELAY_MS`): the most a worker waits, a different
+    /// time each round, before connecting a round's world, so that the connecting of a round
+    /// spans long enough for a test to kill a member in the middle of it. Zero otherwise.
+    pub connect_delay: Duration,
 }
+
+/// See [`Launch::connect_delay`].
+pub(crate) const ENV_TEST_CONNECT_DELAY_MS: &str = "HVD_TEST_CONNECT_DELAY_MS";
 
 impl std::ops::Deref for Launch {
     type Target = Placement;
@@ -183,6 +190,13 @@ impl Launch {
             },
             elastic,
             elastic_timeout: seconds(env, rv::ENV_ELASTIC_TIMEOUT, 600.0)?,
+            connect_delay: match env.var(ENV_TEST_CONNECT_DELAY_MS) {
+                None => Duration::ZERO,
+                Some(v) => Duration::from_millis(v.trim().parse().map_err(|_| Error::Env {
+                    var: ENV_TEST_CONNECT_DELAY_MS,
+                    detail: format!("'{v}' is not a whole number of milliseconds"),
+                })?),
+            },
         };
         let mut l = l;
         l.worker = match env.var(rv::ENV_WORKER_ID) {
@@ -273,6 +287,14 @@ mod tests {
             assert_eq!(Launch::from_env(&e).unwrap().unwrap().hierarchical, want);
         }
         assert_eq!(l.streams, 1);
+        assert_eq!(l.connect_delay, Duration::ZERO);
+        let mut e = full();
+        e.insert(ENV_TEST_CONNECT_DELAY_MS.into(), "250".into());
+        let delayed = Launch::from_env(&e).unwrap().unwrap();
+        assert_eq!(delayed.connect_delay, Duration::from_millis(250));
+        e.insert(ENV_TEST_CONNECT_DELAY_MS.into(), "soon".into());
+        let err = Launch::from_env(&e).unwrap_err().to_string();
+        assert!(err.contains("HVD_TEST_CONNECT_DELAY_MS"), "{err}");
         assert_eq!(rv::MAX_TCP_STREAMS, hvd_collectives::MAX_STREAMS);
         let mut e = full();
         e.insert(rv::ENV_TCP_STREAMS.into(), "4".into());

@@ -198,37 +198,75 @@ fn open_timeline(env: &dyn Env, rank: usize) -> Option<Arc<Timeline>> {
 }
 
 /// Connects the world of a completed round.
-fn enter(session: &mut Session, round: client::Round) -> Result<(Topology, Communicator)> {
-    let world = match round {
-        client::Round::World(w) => w,
-        client::Round::Removed(reason) => return Err(Error::Removed { reason }),
-    };
-    let l = &session.launch;
-    let p = world.placement;
-    let mut cfg = hvd_collectives::CommConfig::new(p.rank, p.size, l.secret.clone());
-    cfg.generation = world.generation;
-    cfg.progress_timeout = l.progress_timeout;
-    cfg.arrival_timeout = l.arrival_timeout;
-    cfg.connect_timeout = l.start_timeout.max(Duration::from_secs(1));
-    cfg.same_host_copy = l.same_host_copy;
-    cfg.hierarchical = l.hierarchical;
-    cfg.streams = l.streams;
-    session.generation = world.generation;
-    session.updates_through = world.updates_through;
-    session.peers.clone_from(&world.peers);
-    let comm = Communicator::connect(cfg, &session.listener, &world.peers)?;
-    session
-        .client
-        .inbox
-        .watch(world.generation, comm.abort_handle());
-    tracing::info!(
-        rank = p.rank,
-        size = p.size,
-        generation = world.generation,
-        host = %l.hostname,
-        "hvd initialized"
-    );
-    Ok((Topology::new(p, &world.hosts), comm))
+///
+/// The round's abort handle is registered with the driver connection before connecting, so
+/// the driver's abort of the round (a member died) ends the connecting at once. In an elastic
+/// job a round that fails while its members connect (a member died, or the driver aborted it)
+/// costs a new round, never the worker: this worker joins the next one and connects again.
+fn enter(session: &mut Session, mut round: client::Round) -> Result<(Topology, Communicator)> {
+    loop {
+        let world = match round {
+            client::Round::World(w) => w,
+            client::Round::Removed(reason) => return Err(Error::Removed { reason }),
+        };
+        let l = &session.launch;
+        let p = world.placement;
+        let mut cfg = hvd_collectives::CommConfig::new(p.rank, p.size, l.secret.clone());
+        cfg.generation = world.generation;
+        cfg.progress_timeout = l.progress_timeout;
+        cfg.arrival_timeout = l.arrival_timeout;
+        cfg.connect_timeout = l.start_timeout.max(Duration::from_secs(1));
+        cfg.same_host_copy = l.same_host_copy;
+        cfg.hierarchical = l.hierarchical;
+        cfg.streams = l.streams;
+        session.generation = world.generation;
+        session.updates_through = world.updates_through;
+        session.peers.clone_from(&world.peers);
+        let abort = AbortHandle::new();
+        session.client.inbox.watch(world.generation, abort.clone());
+        let started = std::time::Instant::now();
+        if !l.connect_delay.is_zero() {
+            // Tests only: members start connecting at scattered times (`RandomState` is seeded
+            // afresh each time); the round's abort ends the wait as it ends the connecting.
+            use std::hash::{BuildHasher, Hasher};
+            let r = std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish();
+            let until = started + l.connect_delay.mul_f64((r % 1001) as f64 / 1000.0);
+            while !abort.is_aborted() {
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                std::thread::sleep(left.min(Duration::from_millis(5)));
+            }
+        }
+        let e = match Communicator::connect_abortable(cfg, &session.listener, &world.peers, &abort)
+        {
+            Ok(comm) => {
+                tracing::info!(
+                    rank = p.rank,
+                    size = p.size,
+                    generation = world.generation,
+                    host = %l.hostname,
+                    "hvd initialized"
+                );
+                return Ok((Topology::new(p, &world.hosts), comm));
+            }
+            Err(e) => Error::Comm(e),
+        };
+        if !(l.elastic && e.is_recoverable()) {
+            return Err(e);
+        }
+        tracing::warn!(
+            generation = world.generation,
+            error = %e,
+            after = ?started.elapsed(),
+            "connecting the round failed; joining the next one"
+        );
+        let reason = format!("connecting round {} failed: {e}", world.generation);
+        round = session.client.join(world.generation, &reason)?;
+    }
 }
 
 /// Leaves the current communicator and joins the driver's next round (elastic jobs). The
