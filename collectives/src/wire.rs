@@ -180,6 +180,7 @@ impl fmt::Display for Descriptor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn sample() -> Descriptor {
         Descriptor {
@@ -241,5 +242,86 @@ mod tests {
             sample().to_string(),
             format!("allreduce(bf16[{}], max)", 1u64 << 40)
         );
+    }
+
+    fn any_descriptor() -> impl Strategy<Value = Descriptor> {
+        (
+            1u8..=6,
+            0u8..=7,
+            0u8..=5,
+            any::<(u32, u64, u64, u64, u64, bool)>(),
+        )
+            .prop_map(
+                |(k, t, o, (root, seq, count, row_len, payload_len, invalid))| Descriptor {
+                    kind: Kind::from_tag(k).unwrap(),
+                    dtype: DType::from_tag(t),
+                    op: ReduceOp::from_tag(o),
+                    root,
+                    seq,
+                    count,
+                    row_len,
+                    payload_len,
+                    invalid,
+                },
+            )
+    }
+
+    /// 48 bytes from a peer: random, or with the right magic and small tags so that decoding
+    /// gets past the header often.
+    fn any_bytes() -> impl Strategy<Value = [u8; DESCRIPTOR_LEN]> {
+        (
+            proptest::collection::vec(any::<u8>(), DESCRIPTOR_LEN),
+            any::<bool>(),
+            0u8..9,
+            0u8..10,
+            0u8..8,
+        )
+            .prop_map(|(v, framed, k, t, o)| {
+                let mut b = [0u8; DESCRIPTOR_LEN];
+                b.copy_from_slice(&v);
+                if framed {
+                    b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+                    b[4..7].copy_from_slice(&[k, t, o]);
+                }
+                b
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        /// Any 48 bytes decode to a descriptor that encodes back to them (but for the unused
+        /// bytes and bits), or to an error naming the bad field and its value.
+        #[test]
+        fn any_bytes_decode_or_name_the_bad_field(b in any_bytes()) {
+            match Descriptor::decode(&b) {
+                Ok(d) => {
+                    let e = d.encode();
+                    prop_assert_eq!(&e[..7], &b[..7]);
+                    prop_assert_eq!(e[7], b[7] & 1);
+                    prop_assert_eq!(&e[8..12], &b[8..12]);
+                    prop_assert_eq!(&e[16..], &b[16..]);
+                    prop_assert_eq!(Descriptor::decode(&e), Ok(d));
+                    prop_assert!(d.agrees_with(&d));
+                    prop_assert!(!d.to_string().is_empty());
+                }
+                Err(why) if b[0..4] != MAGIC.to_le_bytes() => {
+                    prop_assert!(why.starts_with("bad magic 0x"), "{}", why);
+                }
+                Err(why) => {
+                    let named = [(4, "collective tag"), (5, "dtype tag"), (6, "reduce op tag")]
+                        .iter()
+                        .any(|&(i, what)| why == format!("unknown {what} {}", b[i]));
+                    prop_assert!(named, "{}", why);
+                }
+            }
+        }
+
+        /// Every descriptor survives the wire unchanged, and displays without panicking.
+        #[test]
+        fn every_descriptor_round_trips(d in any_descriptor()) {
+            prop_assert_eq!(Descriptor::decode(&d.encode()), Ok(d));
+            prop_assert!(!d.to_string().is_empty());
+        }
     }
 }

@@ -63,10 +63,11 @@ fn check_host(h: &str) -> Result<(), String> {
 }
 
 fn no_duplicates(hosts: Vec<HostSpec>) -> Result<Vec<HostSpec>, HostParseError> {
-    for (i, h) in hosts.iter().enumerate() {
-        if hosts[..i].iter().any(|o| o.host == h.host) {
-            return Err(HostParseError::Duplicate(h.host.clone()));
-        }
+    // A set, not a scan of the hosts before each: a hostfile of 100,000 lines would otherwise
+    // take billions of comparisons.
+    let mut seen = std::collections::HashSet::with_capacity(hosts.len());
+    if let Some(h) = hosts.iter().find(|h| !seen.insert(h.host.as_str())) {
+        return Err(HostParseError::Duplicate(h.host.clone()));
     }
     if hosts.is_empty() {
         return Err(HostParseError::Empty);
@@ -139,7 +140,7 @@ pub fn parse_hostfile(file: &str, text: &str) -> Result<Vec<HostSpec>, HostParse
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn spec(h: &str, s: usize) -> HostSpec {
@@ -195,5 +196,105 @@ mod tests {
             parse_hostfile("hf", "# nothing\n").unwrap_err(),
             HostParseError::Empty
         );
+    }
+
+    /// Edits of a text: cut, replace a char, insert text, repeat a span, long runs.
+    pub(crate) fn mutate(text: &str, edits: &[(u8, usize, String)]) -> String {
+        let mut t: Vec<char> = text.chars().collect();
+        for (kind, at, ins) in edits {
+            let at = at % (t.len() + 1);
+            match kind {
+                0 => t.truncate(at),
+                1 if at < t.len() => t[at] = ins.chars().next().unwrap_or(':'),
+                2 => drop(t.splice(at..at, ins.chars())),
+                3 => {
+                    let span: Vec<char> = t[at..(at + ins.len()).min(t.len())].to_vec();
+                    t.splice(at..at, span);
+                }
+                _ => drop(t.splice(at..at, ins.chars().cycle().take(4096))),
+            }
+        }
+        t.into_iter().collect()
+    }
+
+    /// What any accepted list must be: hosts a shell command and a `-H` list can carry, each
+    /// once, with at least one slot.
+    fn check_hosts(hosts: &[HostSpec]) -> Result<(), proptest::test_runner::TestCaseError> {
+        use proptest::prelude::*;
+        prop_assert!(!hosts.is_empty());
+        for (i, h) in hosts.iter().enumerate() {
+            prop_assert!(check_host(&h.host).is_ok() && h.slots >= 1, "{h:?}");
+            prop_assert!(hosts[..i].iter().all(|o| o.host != h.host), "{h:?} twice");
+        }
+        Ok(())
+    }
+
+    fn edits() -> impl proptest::strategy::Strategy<Value = Vec<(u8, usize, String)>> {
+        use proptest::prelude::*;
+        proptest::collection::vec((0u8..5, any::<usize>(), "(?s).{0,6}"), 0..5)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(512))]
+
+        /// Random and edited `-H` lists: hosts that make sense, or an error quoting the entry.
+        #[test]
+        fn host_lists_parse_or_name_the_entry(
+            list in "(?s).{0,64}|([a-z0-9.]{1,8}(:[0-9]{1,3})?,){0,5}[a-z]{1,4}",
+            e in edits(),
+        ) {
+            let list = mutate(&list, &e);
+            match parse_host_list(&list) {
+                Ok(hosts) => check_hosts(&hosts)?,
+                Err(HostParseError::Entry { entry, reason }) => {
+                    proptest::prop_assert!(list.contains(&entry) && !reason.is_empty());
+                }
+                Err(HostParseError::Duplicate(h)) => {
+                    proptest::prop_assert!(list.matches(&h).count() >= 2, "{h}");
+                }
+                Err(HostParseError::Empty) | Err(HostParseError::Line { .. }) => {
+                    proptest::prop_assert!(false, "no entry at all in {list:?}");
+                }
+            }
+        }
+
+        /// Random and edited hostfiles: hosts that make sense, or an error naming the file,
+        /// the line (as written) and what is wrong.
+        #[test]
+        fn hostfiles_parse_or_name_the_line(
+            text in "(?s).{0,128}|([a-z0-9]{1,6}( slots=[0-9]{1,2}|:[0-9])? *(#.*)?\n){0,6}",
+            e in edits(),
+        ) {
+            let text = mutate(&text, &e);
+            match parse_hostfile("hf", &text) {
+                Ok(hosts) => check_hosts(&hosts)?,
+                Err(HostParseError::Line { file, line, text: quoted, reason }) => {
+                    proptest::prop_assert_eq!(file, "hf");
+                    let raw = text.lines().nth(line - 1).unwrap_or_default();
+                    proptest::prop_assert_eq!(quoted, raw.trim_end());
+                    proptest::prop_assert!(!reason.is_empty());
+                }
+                Err(HostParseError::Duplicate(h)) => {
+                    proptest::prop_assert!(text.matches(&h).count() >= 2, "{h}");
+                }
+                Err(HostParseError::Empty) => {}
+                Err(e @ HostParseError::Entry { .. }) => proptest::prop_assert!(false, "{e}"),
+            }
+        }
+    }
+
+    /// A hostfile of many hosts is parsed in linear time (a pairwise duplicate check would
+    /// make 2·10^10 comparisons for this one).
+    #[test]
+    fn a_huge_hostfile_parses_quickly() {
+        let text: String = (0..200_000).map(|i| format!("h{i} slots=1\n")).collect();
+        let started = std::time::Instant::now();
+        assert_eq!(parse_hostfile("hf", &text).unwrap().len(), 200_000);
+        let dup = format!("{text}h7 slots=1\n");
+        assert_eq!(
+            parse_hostfile("hf", &dup).unwrap_err(),
+            HostParseError::Duplicate("h7".into())
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
     }
 }

@@ -18,6 +18,22 @@ use crate::HostSpec;
 /// The most stdout a discovery script may print; a host list is a few KiB, so more is a bug.
 pub const MAX_OUTPUT_BYTES: usize = 1 << 20;
 
+/// The most of a malformed line (or of a host name) an error quotes: enough to recognise it,
+/// while a megabyte of garbage on one line still makes a readable log line.
+pub const MAX_QUOTED: usize = 200;
+
+/// `s`, cut to at most [`MAX_QUOTED`] bytes (at a character boundary) with `…` when cut.
+fn clip(s: &str) -> String {
+    if s.len() <= MAX_QUOTED {
+        return s.to_string();
+    }
+    let mut end = MAX_QUOTED;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
 /// Why discovery produced no host list.
 #[derive(Debug, thiserror::Error)]
 pub enum DiscoveryError {
@@ -28,7 +44,7 @@ pub enum DiscoveryError {
         origin: String,
         /// 1-based line number.
         line: usize,
-        /// The line as printed, trimmed.
+        /// The line as printed, trimmed and cut to [`MAX_QUOTED`] bytes.
         text: String,
         /// What is wrong with it.
         reason: String,
@@ -137,7 +153,7 @@ fn parse_from(
         let bad = |reason: String| DiscoveryError::Line {
             origin: origin.into(),
             line: i + 1,
-            text: line.into(),
+            text: clip(line),
             reason,
         };
         let spec = parse_line(line, default_slots).map_err(bad)?;
@@ -145,7 +161,7 @@ fn parse_from(
             Some(&(idx, first_line)) if out[idx].slots != spec.slots => {
                 return Err(DiscoveryError::Conflict {
                     origin: origin.into(),
-                    host: spec.host,
+                    host: clip(&spec.host),
                     line: i + 1,
                     slots: spec.slots,
                     first_line,
@@ -173,20 +189,23 @@ fn parse_line(line: &str, default_slots: Option<usize>) -> Result<HostSpec, Stri
         return Err("empty host name".into());
     }
     if host.chars().any(char::is_whitespace) {
-        return Err(format!("whitespace in host name '{host}'"));
+        return Err(format!("whitespace in host name '{}'", clip(host)));
     }
     // The static parsers reject these too: they would break `-H` lists and shell commands.
     if host.chars().any(|c| matches!(c, ',' | '\'' | '"' | ';')) {
         return Err(format!(
-            "host '{host}' contains a character a host name can't have"
+            "host '{}' contains a character a host name can't have",
+            clip(host)
         ));
     }
     let slots = match slots {
         // `usize::from_str` accepts a leading '+', which is not part of the grammar.
         Some(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => s
             .parse::<usize>()
-            .map_err(|_| format!("slots '{s}' is too large"))?,
-        Some(s) => return Err(format!("slots '{s}' is not a non-negative integer")),
+            .map_err(|_| format!("slots '{}' is too large", clip(s)))?,
+        Some(s) => {
+            return Err(format!("slots '{}' is not a non-negative integer", clip(s)));
+        }
         None => default_slots.ok_or_else(|| "no slots given and no --slots".to_string())?,
     };
     Ok(HostSpec {
@@ -654,6 +673,135 @@ mod tests {
                 }
             ),
             "{e:?}"
+        );
+    }
+
+    /// The contract for any output: hosts that parse back from their own `host:slots` lines,
+    /// or an error naming the line (its number, its text, cut to [`MAX_QUOTED`]) and why.
+    fn check_output(
+        text: &str,
+        default_slots: Option<usize>,
+    ) -> Result<(), proptest::test_runner::TestCaseError> {
+        use proptest::prelude::*;
+        match parse_discovery_output(text, default_slots) {
+            Ok(hosts) => {
+                let printed: String = hosts
+                    .iter()
+                    .map(|h| format!("{}:{}\n", h.host, h.slots))
+                    .collect();
+                prop_assert_eq!(parse_discovery_output(&printed, None).unwrap(), hosts);
+            }
+            Err(DiscoveryError::Line {
+                origin,
+                line,
+                text: quoted,
+                reason,
+            }) => {
+                prop_assert_eq!(origin, "discovery output");
+                let raw = text.lines().nth(line - 1).unwrap_or_default().trim();
+                prop_assert!(
+                    quoted.len() <= MAX_QUOTED + '…'.len_utf8(),
+                    "{}",
+                    quoted.len()
+                );
+                prop_assert!(
+                    raw.starts_with(quoted.trim_end_matches('…')),
+                    "{quoted:?} vs {raw:?}"
+                );
+                prop_assert!(
+                    !reason.is_empty() && reason.len() < 2 * MAX_QUOTED + 100,
+                    "{reason}"
+                );
+            }
+            Err(DiscoveryError::Conflict {
+                line,
+                first_line,
+                slots,
+                first_slots,
+                ..
+            }) => {
+                prop_assert!(first_line < line && slots != first_slots);
+            }
+            Err(e) => prop_assert!(false, "not a parse error: {e}"),
+        }
+        Ok(())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(1000))]
+
+        /// Random text, with and without `--slots`.
+        #[test]
+        fn random_output_parses_or_names_the_line(
+            text in "(?s).{0,160}",
+            default_slots in proptest::option::of(0usize..8),
+        ) {
+            check_output(&text, default_slots)?;
+        }
+
+        /// Real output edited: cut, characters replaced, text inserted, spans repeated, long runs.
+        #[test]
+        fn mutated_output_parses_or_names_the_line(
+            text in "([a-z0-9.-]{1,10}(:[0-9]{1,3})?\r?\n|# [a-z ]*\n){0,8}",
+            edits in proptest::collection::vec(
+                (0u8..5, proptest::prelude::any::<usize>(), "(?s).{0,6}|99999999999999999999999|:"),
+                0..5,
+            ),
+            default_slots in proptest::option::of(1usize..8),
+        ) {
+            let text = crate::hosts::tests::mutate(&text, &edits);
+            check_output(&text, default_slots)?;
+        }
+    }
+
+    /// A megabyte of garbage on one line is an error of a readable size.
+    #[test]
+    fn a_huge_bad_line_is_quoted_in_part() {
+        let text = format!("a:1\n{}:{}\n", "h".repeat(600_000), "9".repeat(400_000));
+        let e = err(&text, None);
+        assert!(
+            e.starts_with("discovery output: line 2 'hhh"),
+            "{}",
+            &e[..100]
+        );
+        assert!(e.len() < 1000, "{} bytes", e.len());
+        assert!(e.contains("is too large"), "{e}");
+        // A cut never splits a character.
+        let e = err(&format!("{}\n", "é h".repeat(1000)), None);
+        assert!(e.contains("…"), "{e}");
+    }
+
+    /// Scripts printing random bytes: each run is an error naming the script, or hosts; a
+    /// good script run after them works.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn scripts_printing_random_bytes_fail_cleanly() {
+        use proptest::strategy::{Strategy, ValueTree};
+        let dir = TempDir::new();
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        let junk = proptest::collection::vec(proptest::prelude::any::<u8>(), 0..4096);
+        for i in 0..8 {
+            let mut bytes = junk.new_tree(&mut runner).unwrap().current();
+            if i % 2 == 0 {
+                // ASCII from a host list's alphabet, so these runs reach the parser.
+                bytes
+                    .iter_mut()
+                    .for_each(|b| *b = b"ab:1\n# \t9"[usize::from(*b) % 9]);
+            }
+            let out = dir.path(&format!("out{i}"));
+            std::fs::write(&out, &bytes).unwrap();
+            let s = dir.script(&format!("junk{i}.sh"), &format!("cat {}\n", out.display()));
+            match run(&s, Duration::from_secs(5)).await {
+                Ok(hosts) => assert!(hosts.iter().all(|h| !h.host.is_empty())),
+                Err(e) => assert!(
+                    e.to_string().starts_with(&format!("discovery script {s}")),
+                    "{e}"
+                ),
+            }
+        }
+        let s = dir.script("good.sh", "echo a:2\n");
+        assert_eq!(
+            run(&s, Duration::from_secs(5)).await.unwrap(),
+            vec![spec("a", 2)]
         );
     }
 

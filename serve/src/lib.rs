@@ -279,6 +279,134 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{err}");
     }
 
+    /// Edits of a request head: cut, flip, insert bytes, repeat a span, insert invalid UTF-8.
+    fn mutate(mut head: Vec<u8>, edits: &[(u8, usize, u8, Vec<u8>)]) -> Vec<u8> {
+        for (kind, at, byte, bytes) in edits {
+            let at = at % (head.len() + 1);
+            match kind {
+                0 => head.truncate(at),
+                1 if at < head.len() => head[at] ^= (*byte).max(1),
+                2 => drop(head.splice(at..at, bytes.iter().copied())),
+                3 => {
+                    let span = head[at..(at + usize::from(*byte)).min(head.len())].to_vec();
+                    head.splice(at..at, span);
+                }
+                _ => drop(head.splice(at..at, [0xff, 0xc0, b' ', b'\r', b'\n'])),
+            }
+        }
+        head
+    }
+
+    /// What any head may parse to: a GET of one path without query, spaces or line breaks; a
+    /// method other than GET; or a bad request. The answer to a refusal is a JSON error.
+    fn check(head: &[u8]) -> Result<(), proptest::test_runner::TestCaseError> {
+        use proptest::prelude::*;
+        let first = head.split(|&b| b == b'\n').next().unwrap_or_default();
+        match parse(head) {
+            Request::Get(path) => {
+                prop_assert!(path.starts_with('/'), "{path:?}");
+                prop_assert!(!path.contains([' ', '?', '\n']), "{path:?}");
+                prop_assert!(path.len() <= first.len() * 3, "{path:?} from {first:?}");
+            }
+            Request::NotAllowed(m) => {
+                prop_assert!(m != "GET" && !m.contains([' ', '\n']), "{m:?}");
+                let (r, extra) = respond(Request::NotAllowed(m.clone()), &|_| unreachable!());
+                prop_assert_eq!(
+                    (r.status, extra),
+                    ("405 Method Not Allowed", "Allow: GET\r\n")
+                );
+                let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+                prop_assert_eq!(
+                    v["error"].as_str().unwrap(),
+                    format!("method {m} not allowed; use GET")
+                );
+            }
+            Request::Bad => {
+                let (r, _) = respond(Request::Bad, &|_| unreachable!());
+                prop_assert_eq!(r.status, "400 Bad Request");
+                prop_assert!(r.body.contains("not an HTTP/1.x request"));
+            }
+        }
+        Ok(())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(1000))]
+
+        /// Random heads, raw bytes and invalid UTF-8 included.
+        #[test]
+        fn random_heads_parse_to_a_request_or_bad(head in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            check(&head)?;
+        }
+
+        /// Real requests edited in transit.
+        #[test]
+        fn mutated_requests_parse_to_a_request_or_bad(
+            method in "GET|POST|DELETE|get|G\\x00T",
+            path in "/[a-z/?=&%]{0,40}",
+            edits in proptest::collection::vec(
+                (0u8..5, proptest::prelude::any::<usize>(), proptest::prelude::any::<u8>(),
+                 proptest::collection::vec(proptest::prelude::any::<u8>(), 0..8)),
+                0..4,
+            ),
+        ) {
+            let head = format!("{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n").into_bytes();
+            check(&mutate(head, &edits))?;
+        }
+    }
+
+    /// Reads one answer; `None` when the server closed without one.
+    async fn answer_to(port: u16, request: &[u8]) -> Option<String> {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        // The server may answer and close before it read everything; that is its right.
+        let _ = s.write_all(request).await;
+        let _ = s.shutdown().await;
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+            .await
+            .expect("the server answers or closes")
+            .ok()?;
+        Some(String::from_utf8_lossy(&out).into_owned())
+    }
+
+    /// Hostile clients over TCP: random bytes, a head that never ends, one far past the limit.
+    /// Each gets a 400, a 405 or the handler's answer, or a closed connection; none hangs the
+    /// server, and a real request after them is answered.
+    #[tokio::test]
+    async fn hostile_requests_over_tcp_leave_the_server_serving() {
+        use proptest::strategy::{Strategy, ValueTree};
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = tokio::spawn(serve(listener, "test endpoint", |_: &str| {
+            Response::text("200 OK", "ok")
+        }));
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        let junk = proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2048);
+        let mut requests: Vec<Vec<u8>> = (0..64)
+            .map(|_| junk.new_tree(&mut runner).unwrap().current())
+            .collect();
+        // Exactly the head limit with no end of head: read whole, then refused.
+        requests.push(vec![b'A'; MAX_HEAD]);
+        // Past the limit: the server stops reading at the limit and answers or closes.
+        requests.push(vec![b'B'; MAX_HEAD * 8]);
+        for request in &requests {
+            if let Some(out) = answer_to(port, request).await {
+                assert!(
+                    out.is_empty()
+                        || out.starts_with("HTTP/1.1 400 Bad Request\r\n")
+                        || out.starts_with("HTTP/1.1 405 Method Not Allowed\r\n")
+                        || out.starts_with("HTTP/1.1 200 OK\r\n"),
+                    "{out}"
+                );
+            }
+        }
+        let limit = answer_to(port, &vec![b'A'; MAX_HEAD]).await.unwrap();
+        assert!(limit.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{limit}");
+        let ok = answer_to(port, b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        assert!(ok.ends_with("\r\n\r\nok"), "{ok}");
+        server.abort();
+    }
+
     /// Real connections: the handler's answer with its headers, and a method refused.
     #[tokio::test]
     async fn serves_requests_over_tcp() {

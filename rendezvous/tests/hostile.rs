@@ -1,0 +1,301 @@
+//! Hostile input for the rendezvous line codec: random bytes and mutations of real messages
+//! (cut, flipped, repeated fields, numbers out of range, invalid UTF-8, deep nesting, lines
+//! past [`MAX_LINE`]). Every line decodes to a message or to an error that says what was
+//! wrong; nothing panics.
+//!
+//! The codec reads no stream itself: the driver and the worker read at most `MAX_LINE + 1`
+//! bytes of a line before they hand it over, and a line longer than that is refused here
+//! without parsing. JSON carries no length fields, and serde_json preallocates no more than
+//! a small cap for a sequence, so what a line decodes to is never much larger than the line.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
+
+use hvd_rendezvous::{
+    DriverMsg, HostsUpdate, MAX_LINE, Placement, ProtocolError, WorkerMsg, decode_line, encode_line,
+};
+use proptest::collection::vec;
+use proptest::prelude::*;
+
+/// Cases per property: enough to reach every variant and mutation often, quick on two cores.
+const CASES: u32 = 512;
+
+/// Any text, newlines, quotes and control characters included.
+fn text() -> impl Strategy<Value = String> {
+    prop_oneof!["(?s).{0,24}", "[a-z0-9.:]{0,16}"]
+}
+
+fn worker_msg() -> impl Strategy<Value = WorkerMsg> {
+    prop_oneof![
+        (text(), any::<u64>(), text(), text(), any::<u32>()).prop_map(
+            |(secret, worker, addr, host, pid)| WorkerMsg::Register {
+                secret,
+                worker,
+                addr,
+                host,
+                pid
+            }
+        ),
+        (text(), any::<u64>(), any::<u64>(), text()).prop_map(
+            |(secret, worker, generation, reason)| WorkerMsg::Join {
+                secret,
+                worker,
+                generation,
+                reason
+            }
+        ),
+        (text(), any::<u64>(), any::<u64>()).prop_map(|(secret, worker, generation)| {
+            WorkerMsg::AbortSeen {
+                secret,
+                worker,
+                generation,
+            }
+        }),
+        (text(), any::<u64>(), any::<u64>()).prop_map(|(secret, worker, generation)| {
+            WorkerMsg::Synced {
+                secret,
+                worker,
+                generation,
+            }
+        }),
+        (text(), any::<u64>()).prop_map(|(secret, worker)| WorkerMsg::Pong { secret, worker }),
+        (text(), any::<u64>()).prop_map(|(secret, worker)| WorkerMsg::Goodbye { secret, worker }),
+    ]
+}
+
+fn placement() -> impl Strategy<Value = Placement> {
+    any::<[usize; 6]>().prop_map(|p| Placement {
+        rank: p[0],
+        size: p[1],
+        local_rank: p[2],
+        local_size: p[3],
+        cross_rank: p[4],
+        cross_size: p[5],
+    })
+}
+
+fn driver_msg() -> impl Strategy<Value = DriverMsg> {
+    prop_oneof![
+        (
+            any::<u64>(),
+            placement(),
+            vec(text(), 0..4),
+            vec(text(), 0..4),
+            any::<u64>()
+        )
+            .prop_map(|(generation, placement, peers, hosts, updates_through)| {
+                DriverMsg::World {
+                    generation,
+                    placement,
+                    peers,
+                    hosts,
+                    updates_through,
+                }
+            }),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            vec(text(), 0..4),
+            vec(text(), 0..4)
+        )
+            .prop_map(
+                |(update_id, timestamp_ms, added, removed)| DriverMsg::HostsUpdated(HostsUpdate {
+                    update_id,
+                    timestamp_ms,
+                    added,
+                    removed,
+                })
+            ),
+        text().prop_map(|reason| DriverMsg::Removed { reason }),
+        (any::<u64>(), text())
+            .prop_map(|(generation, reason)| DriverMsg::Abort { generation, reason }),
+        Just(DriverMsg::Ping),
+        text().prop_map(|reason| DriverMsg::Refused { reason }),
+    ]
+}
+
+/// One edit of a line: what to do, where, and with what.
+type Edit = (u8, usize, u8, Vec<u8>);
+
+fn edits() -> impl Strategy<Value = Vec<Edit>> {
+    vec(
+        (0u8..8, any::<usize>(), any::<u8>(), vec(any::<u8>(), 0..12)),
+        1..5,
+    )
+}
+
+/// Fragments a hostile peer would try: repeated and unknown fields, numbers past every
+/// integer type, bad escapes, deep nesting.
+const FRAGMENTS: &[&[u8]] = &[
+    br#","worker":18446744073709551616"#,
+    br#""pid":-1,"#,
+    br#","generation":1e999"#,
+    br#","type":"ping""#,
+    br#","secret":"s","secret":"t""#,
+    br#""\ud800""#,
+    b"\\u0000",
+    b"[[[[[[[[[[[[[[[[",
+    b"\xff\xfe\xc3\x28\xed\xa0\x80",
+];
+
+/// Applies `edits` to `line`: cut, flip, insert, delete, repeat a span, insert a hostile
+/// fragment, insert invalid UTF-8.
+fn mutate(mut line: Vec<u8>, edits: &[Edit]) -> Vec<u8> {
+    for (kind, at, byte, bytes) in edits {
+        let at = at % (line.len() + 1);
+        match kind {
+            0 => line.truncate(at),
+            1 if at < line.len() => line[at] ^= (*byte).max(1),
+            2 => drop(line.splice(at..at, bytes.iter().copied())),
+            3 => drop(line.drain(at..(at + usize::from(*byte % 16)).min(line.len()))),
+            4 => {
+                let span = line[at..(at + usize::from(*byte)).min(line.len())].to_vec();
+                line.splice(at..at, span);
+            }
+            5 | 6 => {
+                let f = FRAGMENTS[usize::from(*byte) % FRAGMENTS.len()];
+                line.splice(at..at, f.iter().copied());
+            }
+            _ => drop(line.splice(at..at, [0xff, 0xc0, 0x80])),
+        }
+    }
+    line
+}
+
+/// The contract for any input: a message that encodes back to a line decoding to itself, or a
+/// `Malformed`/`TooLong` error with a message.
+fn check<T>(line: &[u8]) -> Result<(), TestCaseError>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug,
+{
+    match decode_line::<T>(line) {
+        Ok(msg) => {
+            let again = encode_line(&msg).unwrap();
+            prop_assert_eq!(decode_line::<T>(&again).unwrap(), msg);
+        }
+        Err(e @ ProtocolError::Malformed(_)) => {
+            let s = e.to_string();
+            prop_assert!(
+                s.starts_with("malformed message: ") && s.len() > 19,
+                "{}",
+                s
+            );
+        }
+        Err(e @ ProtocolError::TooLong(_)) => {
+            prop_assert!(line.len() > MAX_LINE, "{e} for {} bytes", line.len());
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    /// Random bytes: refused with a message (or, rarely, a valid message).
+    #[test]
+    fn random_bytes_decode_or_are_refused(line in vec(any::<u8>(), 0..256)) {
+        check::<WorkerMsg>(&line)?;
+        check::<DriverMsg>(&line)?;
+    }
+
+    /// Random bytes after a valid opening, so parsing goes past the first byte.
+    #[test]
+    fn random_tails_decode_or_are_refused(tail in vec(any::<u8>(), 0..128)) {
+        for head in [&br#"{"type":"register","#[..], br#"{"type":"world","placement":{"#] {
+            let line = [head, &tail[..]].concat();
+            check::<WorkerMsg>(&line)?;
+            check::<DriverMsg>(&line)?;
+        }
+    }
+
+    /// Every worker message is one line, whatever its strings hold, and decodes to itself.
+    #[test]
+    fn worker_messages_are_one_line_and_round_trip(msg in worker_msg()) {
+        let line = encode_line(&msg).unwrap();
+        prop_assert_eq!(line.iter().filter(|&&b| b == b'\n').count(), 1);
+        prop_assert_eq!(line.last(), Some(&b'\n'));
+        prop_assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), msg);
+    }
+
+    /// The same for every driver message.
+    #[test]
+    fn driver_messages_are_one_line_and_round_trip(msg in driver_msg()) {
+        let line = encode_line(&msg).unwrap();
+        prop_assert_eq!(line.iter().filter(|&&b| b == b'\n').count(), 1);
+        prop_assert_eq!(decode_line::<DriverMsg>(&line).unwrap(), msg);
+    }
+
+    /// A worker message edited in transit: a valid message or a named error, never a panic.
+    #[test]
+    fn mutated_worker_messages_decode_or_are_refused(msg in worker_msg(), e in edits()) {
+        let line = mutate(encode_line(&msg).unwrap(), &e);
+        check::<WorkerMsg>(&line)?;
+        check::<DriverMsg>(&line)?;
+    }
+
+    /// A driver message edited in transit.
+    #[test]
+    fn mutated_driver_messages_decode_or_are_refused(msg in driver_msg(), e in edits()) {
+        let line = mutate(encode_line(&msg).unwrap(), &e);
+        check::<DriverMsg>(&line)?;
+        check::<WorkerMsg>(&line)?;
+    }
+}
+
+/// Numbers past a field's type, and the same field twice, are refused naming the value or
+/// the field.
+#[test]
+fn out_of_range_numbers_and_repeated_fields_are_named() {
+    let cases: &[(&[u8], &str)] = &[
+        (
+            br#"{"type":"pong","secret":"s","worker":18446744073709551616}"#,
+            "expected u64",
+        ),
+        (
+            br#"{"type":"register","secret":"s","worker":1,"addr":"a","host":"h","pid":4294967296}"#,
+            "4294967296",
+        ),
+        (br#"{"type":"pong","secret":"s","worker":-1}"#, "-1"),
+        (br#"{"type":"abort","generation":1e999,"reason":"r"}"#, ""),
+        (
+            br#"{"type":"pong","secret":"s","secret":"t","worker":1}"#,
+            "duplicate field `secret`",
+        ),
+        (br#"{"type":"pong","secret":"s","worker":1,"x":1}"#, "`x`"),
+        (br#"{"type":"exec","cmd":"rm -rf /"}"#, "`exec`"),
+    ];
+    for (line, named) in cases {
+        let worker = decode_line::<WorkerMsg>(line).map(|_| ());
+        let driver = decode_line::<DriverMsg>(line).map(|_| ());
+        let err = worker.and(driver).unwrap_err().to_string();
+        assert!(err.starts_with("malformed message: "), "{err}");
+        assert!(err.contains(named), "{err} does not name {named}");
+    }
+}
+
+/// Nesting deep enough to overflow a recursive parser's stack is an error instead.
+#[test]
+fn deep_nesting_is_an_error_not_a_stack_overflow() {
+    for open in [&b"["[..], br#"{"a":"#] {
+        let mut line = br#"{"type":"world","peers":"#.to_vec();
+        line.extend(open.repeat(100_000));
+        let err = decode_line::<DriverMsg>(&line).unwrap_err().to_string();
+        assert!(err.contains("recursion limit"), "{err}");
+    }
+}
+
+/// A line past the limit is refused by its length, before any parsing, naming the limit.
+#[test]
+fn lines_past_the_limit_are_refused_unparsed() {
+    let mut line = br#"{"type":"removed","reason":""#.to_vec();
+    line.resize(MAX_LINE + 1, b'x');
+    let err = decode_line::<DriverMsg>(&line).unwrap_err();
+    assert!(
+        matches!(err, ProtocolError::TooLong(n) if n == MAX_LINE + 1),
+        "{err}"
+    );
+    assert!(err.to_string().contains(&MAX_LINE.to_string()), "{err}");
+    // The longest line allowed is parsed (and found unterminated).
+    line.truncate(MAX_LINE);
+    let err = decode_line::<DriverMsg>(&line).unwrap_err().to_string();
+    assert!(err.contains("EOF while parsing"), "{err}");
+}
