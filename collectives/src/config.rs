@@ -80,9 +80,6 @@ impl CommConfig {
                 self.rank, self.size
             ));
         }
-        if self.token.len() > u16::MAX as usize {
-            return Err("token is longer than 65535 bytes".into());
-        }
         for (name, d) in [
             ("arrival_timeout", self.arrival_timeout),
             ("progress_timeout", self.progress_timeout),

@@ -1,9 +1,20 @@
 //! Building the full mesh of connections, with a handshake that authenticates every peer.
 //!
 //! Rank `i` connects to every lower rank and accepts from every higher one, `streams` times
-//! each. The connecting side sends a hello (protocol magic, its rank, the rank it expects with
-//! the stream's index and the stream count, the rendezvous generation and the job token); the
-//! accepting side answers with one status byte, so a refused peer learns why.
+//! each. The connecting side sends a hello (protocol magic and version, its rank, the rank it
+//! expects with the stream's index and the stream count, the rendezvous generation, and a fresh
+//! nonce); the accepting side answers one status byte, so a refused peer learns why. When the
+//! hello's numbers agree, both sides prove that they hold the job's token with `hvd-auth`'s
+//! challenge-response over both nonces, in a context that names the round, both ranks and the
+//! stream: the token never crosses the wire, a recorded handshake is refused on any later
+//! connection, and a hello whose numbers were altered on the way fails the proofs.
+//!
+//! ```text
+//! dialer   -> listener   hello (37 bytes)
+//! listener -> dialer     status; when 0: the listener's nonce and proof
+//! dialer   -> listener   the dialer's proof (only once the listener's proof checked out)
+//! listener -> dialer     status: 0, or 1 (wrong job token)
+//! ```
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -13,12 +24,16 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
+use hvd_auth::{Handshake, NONCE_BYTES, Nonce, Role, TAG_BYTES, Tag};
+
 use crate::config::CommConfig;
 use crate::error::{CommError, Result};
 use crate::link::{Shared, read_full};
 
 const HELLO_MAGIC: u32 = 0x4856_4448; // "HVDH"
-const PROTOCOL_VERSION: u8 = 4;
+const PROTOCOL_VERSION: u8 = 5;
+/// Bytes of a hello: magic, version, from, to, generation, nonce.
+const HELLO_LEN: usize = 4 + 1 + 4 + 4 + 8 + NONCE_BYTES;
 /// The hello's `to` word: the rank in the low 24 bits, the stream's index in the next 4, the
 /// stream count in the top 4.
 const RANK_BITS: u32 = 24;
@@ -58,48 +73,49 @@ struct Hello {
     from: u32,
     to: u32,
     generation: u64,
-    token: Vec<u8>,
+    nonce: Nonce,
 }
 
-fn encode_hello(h: &Hello) -> Vec<u8> {
-    let mut b = Vec::with_capacity(23 + h.token.len());
-    b.extend_from_slice(&HELLO_MAGIC.to_le_bytes());
-    b.push(h.version);
-    b.extend_from_slice(&h.from.to_le_bytes());
-    b.extend_from_slice(&h.to.to_le_bytes());
-    b.extend_from_slice(&h.generation.to_le_bytes());
-    b.extend_from_slice(&(h.token.len() as u16).to_le_bytes());
-    b.extend_from_slice(&h.token);
+impl Hello {
+    /// What both sides' proofs are bound to: the round, both ranks, the stream.
+    fn context(&self) -> String {
+        format!("hvd-mesh/{}/{}/{:#x}", self.generation, self.from, self.to)
+    }
+}
+
+fn encode_hello(h: &Hello) -> [u8; HELLO_LEN] {
+    let mut b = [0u8; HELLO_LEN];
+    b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    b[4] = h.version;
+    b[5..9].copy_from_slice(&h.from.to_le_bytes());
+    b[9..13].copy_from_slice(&h.to.to_le_bytes());
+    b[13..21].copy_from_slice(&h.generation.to_le_bytes());
+    b[21..].copy_from_slice(&h.nonce.0);
     b
 }
 
+/// Reads a hello: a fixed number of bytes, whatever the peer claims.
 fn read_hello(s: &mut TcpStream) -> io::Result<Hello> {
-    let mut head = [0u8; 23];
-    read_full(s, &mut head)?;
-    let word = |i: usize| u32::from_le_bytes([head[i], head[i + 1], head[i + 2], head[i + 3]]);
+    let mut b = [0u8; HELLO_LEN];
+    read_full(s, &mut b)?;
+    let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
     if word(0) != HELLO_MAGIC {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "not an hvd peer",
+            format!("not an hvd peer (magic {:#010x})", word(0)),
         ));
     }
     let mut g = [0u8; 8];
-    g.copy_from_slice(&head[13..21]);
-    let token_len = u16::from_le_bytes([head[21], head[22]]) as usize;
-    let mut token = vec![0u8; token_len];
-    read_full(s, &mut token)?;
+    g.copy_from_slice(&b[13..21]);
+    let mut nonce = [0u8; NONCE_BYTES];
+    nonce.copy_from_slice(&b[21..]);
     Ok(Hello {
-        version: head[4],
+        version: b[4],
         from: word(5),
         to: word(9),
         generation: u64::from_le_bytes(g),
-        token,
+        nonce: Nonce(nonce),
     })
-}
-
-/// Compares without an early exit, so timing does not reveal how much of a token matched.
-fn same_token(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn tune(s: &TcpStream) -> io::Result<()> {
@@ -199,9 +215,13 @@ fn build(
                             missing -= 1;
                         }
                         Ok((j, index)) => {
+                            shared.unregister(&s);
                             tracing::warn!(peer = j, index, %from, "duplicate connection refused");
                         }
-                        Err(why) => tracing::warn!(%from, %why, "peer connection refused"),
+                        Err(why) => {
+                            shared.unregister(&s);
+                            tracing::warn!(%from, %why, "peer connection refused");
+                        }
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -355,28 +375,61 @@ fn dial(
         .register(&s)
         .map_err(|e| io_err("registering a connection", e))?;
     tune(&s).map_err(|e| fail(e.to_string()))?;
-    let hello = Hello {
+    let mut hello = Hello {
         version: PROTOCOL_VERSION,
         from: cfg.rank as u32,
         to: j as u32 | (index as u32) << RANK_BITS | (cfg.streams as u32) << (RANK_BITS + 4),
         generation: cfg.generation,
-        token: cfg.token.as_bytes().to_vec(),
+        nonce: Nonce([0; NONCE_BYTES]),
     };
+    let hs = Handshake::new(&cfg.token, &hello.context(), Role::Dialer)
+        .map_err(|e| fail(e.to_string()))?;
+    hello.nonce = hs.nonce();
     s.write_all(&encode_hello(&hello))
         .map_err(|e| fail(e.to_string()))?;
     let left = deadline.saturating_duration_since(Instant::now());
     s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
         .map_err(|e| fail(e.to_string()))?;
-    let mut status = [0u8; 1];
-    s.read_exact(&mut status)
-        .map_err(|e| fail(format!("no handshake answer: {e}")))?;
-    if status[0] != Status::Ok as u8 {
-        return Err(fail(Status::describe(status[0]).into()));
+    let status = read_status(&mut s).map_err(&fail)?;
+    if status != Status::Ok as u8 {
+        return Err(fail(Status::describe(status).into()));
+    }
+    let mut challenge = [0u8; NONCE_BYTES + TAG_BYTES];
+    s.read_exact(&mut challenge)
+        .map_err(|e| fail(format!("no proof from the peer: {e}")))?;
+    let (theirs, proof) = split_challenge(&challenge);
+    if hs.verify(&theirs, &proof).is_err() {
+        return Err(fail(
+            "wrong job token: the peer's proof does not match ours (it holds another job's token)"
+                .into(),
+        ));
+    }
+    s.write_all(&hs.proof(&theirs).0)
+        .map_err(|e| fail(e.to_string()))?;
+    let status = read_status(&mut s).map_err(&fail)?;
+    if status != Status::Ok as u8 {
+        return Err(fail(Status::describe(status).into()));
     }
     Ok(s)
 }
 
-/// Checks an incoming hello; returns the peer's rank and the connection's index.
+fn read_status(s: &mut TcpStream) -> std::result::Result<u8, String> {
+    let mut status = [0u8; 1];
+    s.read_exact(&mut status)
+        .map_err(|e| format!("no handshake answer: {e}"))?;
+    Ok(status[0])
+}
+
+fn split_challenge(b: &[u8; NONCE_BYTES + TAG_BYTES]) -> (Nonce, Tag) {
+    let mut nonce = [0u8; NONCE_BYTES];
+    nonce.copy_from_slice(&b[..NONCE_BYTES]);
+    let mut tag = [0u8; TAG_BYTES];
+    tag.copy_from_slice(&b[NONCE_BYTES..]);
+    (Nonce(nonce), Tag(tag))
+}
+
+/// Checks an incoming hello and the peer's proof of the job token; returns the peer's rank and
+/// the connection's index.
 fn admit(cfg: &CommConfig, s: &mut TcpStream) -> std::result::Result<(usize, usize), String> {
     s.set_read_timeout(Some(HELLO_TIMEOUT))
         .map_err(|e| e.to_string())?;
@@ -386,8 +439,6 @@ fn admit(cfg: &CommConfig, s: &mut TcpStream) -> std::result::Result<(usize, usi
     let streams = (h.to >> (RANK_BITS + 4)) as usize;
     let status = if h.version != PROTOCOL_VERSION {
         Status::BadVersion
-    } else if !same_token(&h.token, cfg.token.as_bytes()) {
-        Status::BadToken
     } else if h.generation != cfg.generation {
         Status::WrongGeneration
     } else if to != cfg.rank || (h.from as usize) <= cfg.rank || h.from as usize >= cfg.size {
@@ -397,16 +448,36 @@ fn admit(cfg: &CommConfig, s: &mut TcpStream) -> std::result::Result<(usize, usi
     } else {
         Status::Ok
     };
-    // The peer reads this byte to learn why it was refused; if it is already gone, so be it.
-    let _ = s.write_all(&[status as u8]);
-    if status == Status::Ok {
-        Ok((h.from as usize, index))
-    } else {
-        Err(format!(
+    let refused = |status: Status| {
+        format!(
             "{} (rank {} gen {})",
             Status::describe(status as u8),
             h.from,
             h.generation
-        ))
+        )
+    };
+    if status != Status::Ok {
+        // The peer reads this byte to learn why it was refused; if it is already gone, so be it.
+        let _ = s.write_all(&[status as u8]);
+        return Err(refused(status));
+    }
+    let hs = Handshake::new(&cfg.token, &h.context(), Role::Listener).map_err(|e| e.to_string())?;
+    let mut challenge = [0u8; 1 + NONCE_BYTES + TAG_BYTES];
+    challenge[1..=NONCE_BYTES].copy_from_slice(&hs.nonce().0);
+    challenge[1 + NONCE_BYTES..].copy_from_slice(&hs.proof(&h.nonce).0);
+    s.write_all(&challenge)
+        .map_err(|e| format!("sending the challenge: {e}"))?;
+    let mut proof = [0u8; TAG_BYTES];
+    s.read_exact(&mut proof)
+        .map_err(|e| format!("no proof of the job token (rank {}): {e}", h.from))?;
+    let status = match hs.verify(&h.nonce, &Tag(proof)) {
+        Ok(_) => Status::Ok,
+        Err(_) => Status::BadToken,
+    };
+    let _ = s.write_all(&[status as u8]);
+    if status == Status::Ok {
+        Ok((h.from as usize, index))
+    } else {
+        Err(refused(status))
     }
 }

@@ -38,6 +38,23 @@ impl Shared {
         Ok(())
     }
 
+    /// Shuts `stream` down and forgets it (a connection refused while the mesh forms: a
+    /// stranger must see it close, and must not hold a descriptor until the mesh is built).
+    pub(crate) fn unregister(&self, stream: &TcpStream) {
+        let _ = stream.shutdown(Shutdown::Both);
+        // Duplicates of one socket share its inode; no other open socket has it.
+        let inode = |s: &TcpStream| {
+            use std::os::unix::fs::MetadataExt;
+            let fd = std::os::fd::AsFd::as_fd(s).try_clone_to_owned().ok()?;
+            std::fs::File::from(fd).metadata().ok().map(|m| m.ino())
+        };
+        let Some(ino) = inode(stream) else { return };
+        self.streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|s| inode(s) != Some(ino));
+    }
+
     /// Forgets the registered streams without closing them (the connect phase hands its
     /// sockets over to the communicator, which registers its own duplicates).
     pub(crate) fn forget_streams(&self) {
