@@ -1022,3 +1022,170 @@ fn a_member_killed_while_a_round_connects_costs_a_new_round_not_the_start_timeou
         "a survivor stalled:\n{err}"
     );
 }
+
+/// What a worker's environment says of its job: the rendezvous address and the job secret.
+fn rendezvous_of(pid: i32) -> (String, String) {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).expect("the worker's environment");
+    let var = |name: &str| {
+        env.split(|&b| b == 0)
+            .find_map(|kv| kv.strip_prefix(format!("{name}=").as_bytes()))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_else(|| panic!("{name} is not in worker {pid}'s environment"))
+    };
+    (
+        var(hvd_rendezvous::ENV_RENDEZVOUS_ADDR),
+        var(hvd_rendezvous::ENV_SECRET),
+    )
+}
+
+/// A connection to the driver's rendezvous, as an intruder holds it.
+struct Intruder {
+    w: std::net::TcpStream,
+    r: BufReader<std::net::TcpStream>,
+    wrote: Vec<Vec<u8>>,
+}
+
+impl Intruder {
+    fn connect(addr: &str) -> Self {
+        let w = std::net::TcpStream::connect(addr).expect("the driver's rendezvous");
+        w.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let r = BufReader::new(w.try_clone().unwrap());
+        Self {
+            w,
+            r,
+            wrote: Vec::new(),
+        }
+    }
+
+    fn local(&self) -> String {
+        self.w.local_addr().unwrap().to_string()
+    }
+
+    fn write(&mut self, line: &[u8]) {
+        self.wrote.push(line.to_vec());
+        std::io::Write::write_all(&mut self.w, line).unwrap();
+    }
+
+    /// The next line; empty once the driver closed the connection.
+    fn line(&mut self) -> Vec<u8> {
+        let mut buf = Vec::new();
+        let _ = self.r.read_until(b'\n', &mut buf);
+        buf
+    }
+
+    /// The handshake with `secret`: the session's halves, or why it failed.
+    fn handshake(
+        &mut self,
+        secret: &str,
+    ) -> Result<(hvd_rendezvous::Sealer, hvd_rendezvous::Opener), hvd_rendezvous::ProtocolError>
+    {
+        let (dialer, hello) = hvd_rendezvous::DialerAuth::start(secret)?;
+        self.write(&hello);
+        let challenge = self.line();
+        let (proof, session) = dialer.finish(&challenge)?;
+        self.write(&proof);
+        Ok(session.split())
+    }
+
+    /// The reason of the refusal the driver answers with (sealed or not), or `None` when it
+    /// closed the connection without one.
+    fn refusal(&mut self, opener: Option<&mut hvd_rendezvous::Opener>) -> Option<String> {
+        use hvd_rendezvous::{AuthMsg, DriverMsg, ProtocolError, decode_line, open_line};
+        let line = self.line();
+        if line.is_empty() {
+            return None;
+        }
+        match opener {
+            Some(o) => match open_line::<DriverMsg>(o, &line) {
+                Ok(DriverMsg::Refused { reason }) | Err(ProtocolError::Refused(reason)) => {
+                    Some(reason)
+                }
+                other => panic!("expected a refusal, got {other:?}"),
+            },
+            None => match decode_line::<AuthMsg>(&line) {
+                Ok(AuthMsg::Refused { reason }) => Some(reason),
+                other => panic!("expected a refusal, got {other:?}"),
+            },
+        }
+    }
+}
+
+/// Intruders at a running job's rendezvous: another job's secret, a recorded handshake
+/// replayed, a tampered registration, a line sealed for another connection. Each is refused
+/// and logged with its address, and the job trains on at its size, losing no step.
+#[test]
+fn intruders_at_the_rendezvous_are_refused_and_the_job_is_unharmed() {
+    use hvd_rendezvous::{WorkerMsg, encode_line, seal_line};
+    let counter = &["--steps", "300", "--commit-every", "5", "--step-ms", "10"];
+    let mut job = Job::start("intruders", HOSTS2, &["-np", "4", "--min-np", "4"], counter);
+    job.wait_step(10, 4);
+    let (addr, secret) = rendezvous_of(job.pid_of_rank(1));
+    let mut refused = Vec::new();
+
+    // Another job's secret: the driver's proof fails the intruder's check; a proof sent
+    // anyway is refused.
+    let mut other = Intruder::connect(&addr);
+    assert!(other.handshake("another job's secret").is_err());
+    let forged = hvd_rendezvous::AuthMsg::Proof {
+        proof: "5a".repeat(32),
+    };
+    other.write(&encode_line(&forged).unwrap());
+    let why = other.refusal(None).expect("a refusal");
+    assert!(why.contains("wrong job secret"), "{why}");
+    refused.push(other.local());
+
+    // A handshake recorded from a genuine connection, replayed on a new one.
+    let mut genuine = Intruder::connect(&addr);
+    let (mut sealer, _) = genuine.handshake(&secret).expect("the right secret");
+    let mut replay = Intruder::connect(&addr);
+    replay.write(&genuine.wrote[0]);
+    let _challenge = replay.line();
+    replay.write(&genuine.wrote[1]);
+    let why = replay.refusal(None).expect("a refusal");
+    assert!(why.contains("wrong job secret"), "{why}");
+    refused.push(replay.local());
+
+    // A registration sealed for the genuine connection, sent on another authenticated one.
+    let reg = WorkerMsg::Register {
+        worker: 1,
+        addr: "127.0.0.9:1".into(),
+        host: "127.0.0.9".into(),
+        pid: 1,
+    };
+    let foreign = seal_line(&mut sealer, &reg).unwrap();
+    let mut third = Intruder::connect(&addr);
+    let (_, mut opener) = third.handshake(&secret).unwrap();
+    third.write(&foreign);
+    let why = third.refusal(Some(&mut opener)).expect("a refusal");
+    assert!(why.contains("failed its check"), "{why}");
+    refused.push(third.local());
+
+    // A registration tampered with on its way (it would have taken worker 1's place).
+    let mut fourth = Intruder::connect(&addr);
+    let (mut sealer, mut opener) = fourth.handshake(&secret).unwrap();
+    let line = String::from_utf8(seal_line(&mut sealer, &reg).unwrap()).unwrap();
+    fourth.write(line.replace("127.0.0.9", "127.0.0.8").as_bytes());
+    let why = fourth.refusal(Some(&mut opener)).expect("a refusal");
+    assert!(why.contains("failed its check"), "{why}");
+    refused.push(fourth.local());
+    drop(genuine);
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for peer in &refused {
+        while !job.err_tail().lines().any(|l| l.contains(peer.as_str())) {
+            assert!(
+                Instant::now() < deadline,
+                "the refusal of {peer} was not logged:\n{}",
+                job.err_tail()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        let logged = job.wait_stderr(peer);
+        assert!(logged.contains("refused"), "{logged}");
+    }
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 300), 4, "the job kept its size");
+    assert_eq!(steps_rerun(&lines), 0, "no reset: {err}");
+    assert!(!err.contains("worker failed"), "{err}");
+}

@@ -3,13 +3,18 @@
 //! connection, and rank assignment.
 //!
 //! Messages are JSON, one object a line, tagged by `"type"`: self-describing and never executed
-//! on decode.
+//! on decode. A connection opens with a handshake in which both sides prove they hold the job
+//! secret (which never crosses the wire), and every line after it carries a tag bound to that
+//! connection ([`seal_line`], [`open_line`]).
 
 mod assign;
+mod auth;
 mod env;
 mod msg;
 
 pub use assign::{AssignError, HostSlots, SlotInfo, assign_static};
+pub use auth::{AuthMsg, CONTEXT, DialerAuth, ListenerAuth, open_line, refusal_line, seal_line};
+pub use hvd_auth::{Opener, Sealer, Session};
 pub use env::*;
 pub use msg::{
     DriverMsg, HostsUpdate, MAX_LINE, Placement, ProtocolError, WorkerMsg, decode_line, encode_line,

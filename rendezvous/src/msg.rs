@@ -12,8 +12,6 @@ pub enum WorkerMsg {
     /// Opens the worker's connection: it listens for its peers at `addr`. In a static job this
     /// is also its request to join the (only) round.
     Register {
-        /// The job's secret.
-        secret: String,
         /// The id the launcher gave this worker (`HVD_WORKER_ID`; the rank in a static job).
         worker: u64,
         /// `ip:port` of the worker's collective listener.
@@ -26,8 +24,6 @@ pub enum WorkerMsg {
     /// Asks to join the next rendezvous round (elastic jobs): after a collective failed, or
     /// after the driver announced a host change.
     Join {
-        /// The job's secret.
-        secret: String,
         /// The worker's id.
         worker: u64,
         /// The last round this worker was part of.
@@ -39,8 +35,6 @@ pub enum WorkerMsg {
     /// (a stopped process cannot answer), and joins the next round at its next collective,
     /// which a long computation may delay.
     AbortSeen {
-        /// The job's secret.
-        secret: String,
         /// The worker's id.
         worker: u64,
         /// The aborted round.
@@ -50,8 +44,6 @@ pub enum WorkerMsg {
     /// committed state. A worker whose host was drained while no other worker held that state
     /// is kept in the job until another member of its round says this.
     Synced {
-        /// The job's secret.
-        secret: String,
         /// The worker's id.
         worker: u64,
         /// The round whose sync completed.
@@ -62,32 +54,14 @@ pub enum WorkerMsg {
     /// that answers nothing, not even this, for the driver's heartbeat timeout is frozen
     /// (stopped, a paused VM, stuck in the kernel) and is declared failed.
     Pong {
-        /// The job's secret.
-        secret: String,
         /// The worker's id.
         worker: u64,
     },
     /// The worker is leaving cleanly (`hvd::shutdown`).
     Goodbye {
-        /// The job's secret.
-        secret: String,
         /// The worker's id.
         worker: u64,
     },
-}
-
-impl WorkerMsg {
-    /// The secret the message carries.
-    pub fn secret(&self) -> &str {
-        match self {
-            Self::Register { secret, .. }
-            | Self::Join { secret, .. }
-            | Self::AbortSeen { secret, .. }
-            | Self::Synced { secret, .. }
-            | Self::Pong { secret, .. }
-            | Self::Goodbye { secret, .. } => secret,
-        }
-    }
 }
 
 /// A worker's place in one round: the six numbers Horovod gives every process.
@@ -188,6 +162,18 @@ pub enum ProtocolError {
     /// Longer than [`MAX_LINE`].
     #[error("message of {0} bytes exceeds the {MAX_LINE}-byte limit")]
     TooLong(usize),
+    /// The handshake failed, or a sealed line's tag did not check out.
+    #[error(transparent)]
+    Auth(#[from] hvd_auth::AuthError),
+    /// A line without its tag on a connection whose lines are sealed.
+    #[error("an unsealed line on an authenticated connection")]
+    Unsealed,
+    /// The other side refused the connection.
+    #[error("refused: {0}")]
+    Refused(String),
+    /// A well-formed line out of its place in the handshake.
+    #[error("unexpected message: expected {0}")]
+    Unexpected(&'static str),
 }
 
 /// Encodes one message as a JSON line (with the trailing newline).
@@ -212,7 +198,6 @@ mod tests {
     #[test]
     fn round_trip() {
         let m = WorkerMsg::Register {
-            secret: "s".into(),
             worker: 3,
             addr: "127.0.0.3:5000".into(),
             host: "127.0.0.3".into(),
@@ -243,33 +228,32 @@ mod tests {
         );
         assert_eq!(decode_line::<DriverMsg>(&line).unwrap(), a);
         let seen = WorkerMsg::AbortSeen {
-            secret: "s".into(),
             worker: 2,
             generation: 4,
         };
         let line = encode_line(&seen).unwrap();
         assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), seen);
         let synced = WorkerMsg::Synced {
-            secret: "s".into(),
             worker: 2,
             generation: 5,
         };
         let line = encode_line(&synced).unwrap();
         assert!(line.starts_with(br#"{"type":"synced","#), "{line:?}");
         assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), synced);
-        assert_eq!(synced.secret(), "s");
         let ping = encode_line(&DriverMsg::Ping).unwrap();
         assert_eq!(ping, b"{\"type\":\"ping\"}\n");
         assert_eq!(decode_line::<DriverMsg>(&ping).unwrap(), DriverMsg::Ping);
         let pong = WorkerMsg::Pong {
-            secret: "s".into(),
             worker: 7,
         };
         let line = encode_line(&pong).unwrap();
-        assert_eq!(line, b"{\"type\":\"pong\",\"secret\":\"s\",\"worker\":7}\n");
+        assert_eq!(line, b"{\"type\":\"pong\",\"worker\":7}\n");
         assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), pong);
-        assert_eq!(pong.secret(), "s");
-        assert!(decode_line::<WorkerMsg>(br#"{"type":"pong","worker":7}"#).is_err());
+        assert!(decode_line::<WorkerMsg>(br#"{"type":"pong"}"#).is_err());
+        // The secret never travels in a message.
+        assert!(
+            decode_line::<WorkerMsg>(br#"{"type":"pong","secret":"s","worker":7}"#).is_err()
+        );
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Hostile input for the rendezvous line codec: random bytes and mutations of real messages
 //! (cut, flipped, repeated fields, numbers out of range, invalid UTF-8, deep nesting, lines
 //! past [`MAX_LINE`]). Every line decodes to a message or to an error that says what was
-//! wrong; nothing panics.
+//! wrong; nothing panics. The same for the handshake's lines, and for sealed lines: one
+//! altered in any way is refused by its tag.
 //!
 //! The codec reads no stream itself: the driver and the worker read at most `MAX_LINE + 1`
 //! bytes of a line before they hand it over, and a line longer than that is refused here
@@ -11,7 +12,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
 use hvd_rendezvous::{
-    DriverMsg, HostsUpdate, MAX_LINE, Placement, ProtocolError, WorkerMsg, decode_line, encode_line,
+    AuthMsg, DialerAuth, DriverMsg, HostsUpdate, ListenerAuth, MAX_LINE, Opener, Placement,
+    ProtocolError, Sealer, WorkerMsg, decode_line, encode_line, open_line, seal_line,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -26,39 +28,27 @@ fn text() -> impl Strategy<Value = String> {
 
 fn worker_msg() -> impl Strategy<Value = WorkerMsg> {
     prop_oneof![
-        (text(), any::<u64>(), text(), text(), any::<u32>()).prop_map(
-            |(secret, worker, addr, host, pid)| WorkerMsg::Register {
-                secret,
+        (any::<u64>(), text(), text(), any::<u32>()).prop_map(|(worker, addr, host, pid)| {
+            WorkerMsg::Register {
                 worker,
                 addr,
                 host,
-                pid
-            }
-        ),
-        (text(), any::<u64>(), any::<u64>(), text()).prop_map(
-            |(secret, worker, generation, reason)| WorkerMsg::Join {
-                secret,
-                worker,
-                generation,
-                reason
-            }
-        ),
-        (text(), any::<u64>(), any::<u64>()).prop_map(|(secret, worker, generation)| {
-            WorkerMsg::AbortSeen {
-                secret,
-                worker,
-                generation,
+                pid,
             }
         }),
-        (text(), any::<u64>(), any::<u64>()).prop_map(|(secret, worker, generation)| {
-            WorkerMsg::Synced {
-                secret,
+        (any::<u64>(), any::<u64>(), text()).prop_map(|(worker, generation, reason)| {
+            WorkerMsg::Join {
                 worker,
                 generation,
+                reason,
             }
         }),
-        (text(), any::<u64>()).prop_map(|(secret, worker)| WorkerMsg::Pong { secret, worker }),
-        (text(), any::<u64>()).prop_map(|(secret, worker)| WorkerMsg::Goodbye { secret, worker }),
+        (any::<u64>(), any::<u64>())
+            .prop_map(|(worker, generation)| WorkerMsg::AbortSeen { worker, generation }),
+        (any::<u64>(), any::<u64>())
+            .prop_map(|(worker, generation)| WorkerMsg::Synced { worker, generation }),
+        any::<u64>().prop_map(|worker| WorkerMsg::Pong { worker }),
+        any::<u64>().prop_map(|worker| WorkerMsg::Goodbye { worker }),
     ]
 }
 
@@ -130,7 +120,7 @@ const FRAGMENTS: &[&[u8]] = &[
     br#""pid":-1,"#,
     br#","generation":1e999"#,
     br#","type":"ping""#,
-    br#","secret":"s","secret":"t""#,
+    br#","reason":"s","reason":"t""#,
     br#""\ud800""#,
     b"\\u0000",
     b"[[[[[[[[[[[[[[[[",
@@ -183,6 +173,7 @@ where
         Err(e @ ProtocolError::TooLong(_)) => {
             prop_assert!(line.len() > MAX_LINE, "{e} for {} bytes", line.len());
         }
+        Err(e) => prop_assert!(false, "a plain line cannot fail with {}", e),
     }
     Ok(())
 }
@@ -241,26 +232,105 @@ proptest! {
     }
 }
 
+/// A sealed line as its reader sees it: without its newline, its tag's hex in lower case.
+fn canonical(line: &[u8]) -> Vec<u8> {
+    let mut l = line.strip_suffix(b"\n").unwrap_or(line).to_vec();
+    if let Some(at) = l.iter().rposition(|&b| b == b'\t') {
+        l[at..].make_ascii_lowercase();
+    }
+    l
+}
+
+/// Both ends of one authenticated connection: the worker's sealer, the driver's opener.
+fn connection() -> (Sealer, Opener) {
+    let (dialer, hello) = DialerAuth::start("s").unwrap();
+    let (listener, challenge) = ListenerAuth::answer("s", &hello).unwrap();
+    let (proof, worker) = dialer.finish(&challenge).unwrap();
+    let driver = listener.finish(&proof).unwrap();
+    (worker.split().0, driver.split().1)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    /// A sealed line edited in transit is refused (its tag no longer checks out, or it lost
+    /// its tag), unless the edit left it as it was; the connection's next genuine line is
+    /// still read.
+    #[test]
+    fn mutated_sealed_lines_are_refused(msg in worker_msg(), e in edits()) {
+        let (mut seal, mut open) = connection();
+        let line = seal_line(&mut seal, &msg).unwrap();
+        let edited = mutate(line.clone(), &e);
+        let same = canonical(&edited) == canonical(&line);
+        match open_line::<WorkerMsg>(&mut open, &edited) {
+            Ok(got) => prop_assert!(same && got == msg, "accepted an edited line {:?}", edited),
+            Err(err) => {
+                prop_assert!(!same, "refused the genuine line: {}", err);
+                prop_assert!(
+                    matches!(err, ProtocolError::Auth(_) | ProtocolError::Unsealed
+                        | ProtocolError::Refused(_) | ProtocolError::TooLong(_)),
+                    "{}", err
+                );
+                prop_assert_eq!(open_line::<WorkerMsg>(&mut open, &line).unwrap(), msg);
+            }
+        }
+    }
+
+    /// Random bytes on an authenticated connection never reach the JSON parser.
+    #[test]
+    fn random_bytes_on_a_sealed_connection_are_refused(line in vec(any::<u8>(), 0..256)) {
+        let (_, mut open) = connection();
+        let err = open_line::<WorkerMsg>(&mut open, &line).unwrap_err();
+        prop_assert!(!matches!(err, ProtocolError::Malformed(_)), "{}", err);
+    }
+
+    /// Handshake lines edited in transit, at either step: an error with a message, never a
+    /// session, unless the edit left the line as it was.
+    #[test]
+    fn mutated_handshake_lines_are_refused(e in edits(), step in 0u8..3) {
+        let (dialer, hello) = DialerAuth::start("s").unwrap();
+        let hello = if step == 0 { mutate(hello, &e) } else { hello };
+        let Ok((listener, challenge)) = ListenerAuth::answer("s", &hello) else {
+            return Ok(());
+        };
+        let genuine = challenge.clone();
+        let challenge = if step == 1 { mutate(challenge, &e) } else { challenge };
+        let Ok((proof, _)) = dialer.finish(&challenge) else {
+            return Ok(());
+        };
+        let proof = if step == 2 { mutate(proof, &e) } else { proof };
+        if let Err(err) = listener.finish(&proof) {
+            prop_assert!(!err.to_string().is_empty());
+        } else if step == 1 {
+            prop_assert_eq!(
+                decode_line::<AuthMsg>(&challenge).unwrap(),
+                decode_line::<AuthMsg>(&genuine).unwrap()
+            );
+        }
+    }
+}
+
 /// Numbers past a field's type, and the same field twice, are refused naming the value or
 /// the field.
 #[test]
 fn out_of_range_numbers_and_repeated_fields_are_named() {
     let cases: &[(&[u8], &str)] = &[
         (
-            br#"{"type":"pong","secret":"s","worker":18446744073709551616}"#,
+            br#"{"type":"pong","worker":18446744073709551616}"#,
             "expected u64",
         ),
         (
-            br#"{"type":"register","secret":"s","worker":1,"addr":"a","host":"h","pid":4294967296}"#,
+            br#"{"type":"register","worker":1,"addr":"a","host":"h","pid":4294967296}"#,
             "4294967296",
         ),
-        (br#"{"type":"pong","secret":"s","worker":-1}"#, "-1"),
+        (br#"{"type":"pong","worker":-1}"#, "-1"),
         (br#"{"type":"abort","generation":1e999,"reason":"r"}"#, ""),
         (
-            br#"{"type":"pong","secret":"s","secret":"t","worker":1}"#,
-            "duplicate field `secret`",
+            br#"{"type":"pong","worker":1,"worker":2}"#,
+            "duplicate field `worker`",
         ),
-        (br#"{"type":"pong","secret":"s","worker":1,"x":1}"#, "`x`"),
+        (br#"{"type":"pong","worker":1,"x":1}"#, "`x`"),
+        (br#"{"type":"pong","secret":"s","worker":1}"#, "`secret`"),
         (br#"{"type":"exec","cmd":"rm -rf /"}"#, "`exec`"),
     ];
     for (line, named) in cases {

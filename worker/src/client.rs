@@ -10,7 +10,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use hvd_collectives::AbortHandle;
-use hvd_rendezvous::{DriverMsg, MAX_LINE, Placement, WorkerMsg, decode_line, encode_line};
+use hvd_rendezvous::{
+    DialerAuth, DriverMsg, MAX_LINE, Opener, Placement, ProtocolError, Sealer, WorkerMsg, open_line,
+    seal_line,
+};
 
 use crate::error::{Error, Result};
 use crate::launch::Launch;
@@ -83,13 +86,12 @@ impl Inbox {
 /// An open rendezvous connection.
 #[derive(Debug)]
 pub(crate) struct Client {
-    /// Written by this side and by the reader thread (which answers aborts), one line at a
-    /// time.
-    stream: Arc<Mutex<TcpStream>>,
+    /// Written by this side and by the reader thread (which answers aborts), one sealed line
+    /// at a time.
+    writer: Arc<Mutex<Writer>>,
     leaving: Arc<AtomicBool>,
     rounds: mpsc::Receiver<DriverMsg>,
     pub inbox: Arc<Inbox>,
-    secret: String,
     worker: u64,
     addr: String,
     round_timeout: Duration,
@@ -162,37 +164,36 @@ impl Client {
         let mut stream = TcpStream::connect_timeout(&target, l.start_timeout)
             .map_err(|e| fail(e.to_string()))?;
         stream.set_nodelay(true).map_err(|e| fail(e.to_string()))?;
+        let mut reader = BufReader::new(stream.try_clone().map_err(|e| fail(e.to_string()))?);
+        let (sealer, opener) =
+            handshake(&mut stream, &mut reader, &l.secret, l.start_timeout).map_err(fail)?;
+        let writer = Arc::new(Mutex::new(Writer { stream, sealer }));
         let hello = WorkerMsg::Register {
-            secret: l.secret.clone(),
             worker: l.worker,
             addr: advertised.to_string(),
             host: l.hostname.clone(),
             pid: std::process::id(),
         };
-        let line = encode_line(&hello).map_err(|e| fail(e.to_string()))?;
-        stream.write_all(&line).map_err(|e| fail(e.to_string()))?;
-        let reader = BufReader::new(stream.try_clone().map_err(|e| fail(e.to_string()))?);
+        send(&writer, &hello).map_err(|e| fail(format!("registering: {e}")))?;
         let leaving = Arc::new(AtomicBool::new(false));
         let inbox = Arc::new(Inbox::default());
         let (tx, rounds) = mpsc::channel();
-        let stream = Arc::new(Mutex::new(stream));
         spawn_reader(
             reader,
             Reader {
+                opener,
                 leaving: Arc::clone(&leaving),
                 inbox: Arc::clone(&inbox),
                 rounds: tx,
-                answer: Arc::clone(&stream),
-                secret: l.secret.clone(),
+                answer: Arc::clone(&writer),
                 worker: l.worker,
             },
         );
         let mut client = Self {
-            stream,
+            writer,
             leaving,
             rounds,
             inbox,
-            secret: l.secret.clone(),
             worker: l.worker,
             addr: l.rendezvous.clone(),
             round_timeout: if l.elastic {
@@ -208,13 +209,11 @@ impl Client {
     /// Asks the driver for a place in the next round and waits for the answer.
     pub(crate) fn join(&mut self, generation: u64, reason: &str) -> Result<Round> {
         let msg = WorkerMsg::Join {
-            secret: self.secret.clone(),
             worker: self.worker,
             generation,
             reason: reason.to_string(),
         };
-        let line = encode_line(&msg).map_err(|e| self.fail(e.to_string()))?;
-        write_line(&self.stream, &line).map_err(|e| self.fail(format!("asking to join: {e}")))?;
+        send(&self.writer, &msg).map_err(|e| self.fail(format!("asking to join: {e}")))?;
         self.wait_round()
     }
 
@@ -293,14 +292,11 @@ impl Client {
     /// holds the newest committed state. A driver that is gone is noticed by the reader.
     pub(crate) fn synced(&self, generation: u64) {
         let msg = WorkerMsg::Synced {
-            secret: self.secret.clone(),
             worker: self.worker,
             generation,
         };
-        if let Ok(line) = encode_line(&msg) {
-            if let Err(e) = write_line(&self.stream, &line) {
-                tracing::debug!(error = %e, "could not report the sync to the driver");
-            }
+        if let Err(e) = send(&self.writer, &msg) {
+            tracing::debug!(error = %e, "could not report the sync to the driver");
         }
     }
 
@@ -308,32 +304,72 @@ impl Client {
     pub(crate) fn goodbye(self) {
         self.leaving.store(true, Ordering::SeqCst);
         let msg = WorkerMsg::Goodbye {
-            secret: self.secret.clone(),
             worker: self.worker,
         };
-        if let Ok(line) = encode_line(&msg) {
-            // The driver may already be gone at exit; nothing is lost then.
-            let _ = write_line(&self.stream, &line);
-        }
-        let stream = self.stream.lock().unwrap_or_else(PoisonError::into_inner);
-        let _ = stream.shutdown(Shutdown::Both);
+        // The driver may already be gone at exit; nothing is lost then.
+        let _ = send(&self.writer, &msg);
+        let w = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = w.stream.shutdown(Shutdown::Both);
     }
 }
 
-/// Writes one whole line to the driver connection.
-fn write_line(stream: &Mutex<TcpStream>, line: &[u8]) -> std::io::Result<()> {
-    let mut s = stream.lock().unwrap_or_else(PoisonError::into_inner);
-    s.write_all(line)
+/// The driver connection's writing side: whoever holds it seals and writes one whole line,
+/// so the tags follow the order of the lines on the wire.
+#[derive(Debug)]
+struct Writer {
+    stream: TcpStream,
+    sealer: Sealer,
+}
+
+/// Seals `msg` and writes it to the driver.
+fn send(writer: &Mutex<Writer>, msg: &WorkerMsg) -> std::io::Result<()> {
+    let mut w = writer.lock().unwrap_or_else(PoisonError::into_inner);
+    let line = seal_line(&mut w.sealer, msg).map_err(std::io::Error::other)?;
+    w.stream.write_all(&line)
+}
+
+/// Proves to the driver that this worker holds the job secret, and checks that the driver
+/// does, without either sending it; returns the session's halves.
+fn handshake(
+    stream: &mut TcpStream,
+    reader: &mut BufReader<TcpStream>,
+    secret: &str,
+    timeout: Duration,
+) -> std::result::Result<(Sealer, Opener), String> {
+    let (dialer, hello) = DialerAuth::start(secret).map_err(|e| e.to_string())?;
+    stream.write_all(&hello).map_err(|e| e.to_string())?;
+    // The read timeout belongs to the socket, which the reader shares.
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    match read_line(reader, &mut buf) {
+        Ok(0) => return Err("the driver closed the connection during the handshake".into()),
+        Ok(_) => {}
+        Err(e) => return Err(format!("no answer to the handshake: {e}")),
+    }
+    let (proof, session) = dialer.finish(&buf).map_err(|e| match e {
+        ProtocolError::Auth(_) => format!(
+            "the driver's proof of the job secret does not match: it holds another job's \
+             secret ({})",
+            hvd_rendezvous::ENV_SECRET
+        ),
+        e => e.to_string(),
+    })?;
+    stream.write_all(&proof).map_err(|e| e.to_string())?;
+    stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+    Ok(session.split())
 }
 
 /// What the reader thread needs besides the connection it reads.
 struct Reader {
+    /// Checks the driver's lines, in order.
+    opener: Opener,
     leaving: Arc<AtomicBool>,
     inbox: Arc<Inbox>,
     rounds: mpsc::Sender<DriverMsg>,
-    /// The connection's writing side, to answer aborts.
-    answer: Arc<Mutex<TcpStream>>,
-    secret: String,
+    /// The connection's writing side, to answer aborts and pings.
+    answer: Arc<Mutex<Writer>>,
     worker: u64,
 }
 
@@ -351,11 +387,11 @@ fn read_line(r: &mut BufReader<TcpStream>, buf: &mut Vec<u8>) -> std::io::Result
 /// behind by its launcher.
 fn spawn_reader(mut reader: BufReader<TcpStream>, r: Reader) {
     let Reader {
+        mut opener,
         leaving,
         inbox,
         rounds,
         answer,
-        secret,
         worker,
     } = r;
     let spawned = thread::Builder::new()
@@ -365,7 +401,7 @@ fn spawn_reader(mut reader: BufReader<TcpStream>, r: Reader) {
             loop {
                 match read_line(&mut reader, &mut buf) {
                     Ok(0) | Err(_) => break,
-                    Ok(_) => match decode_line::<DriverMsg>(&buf) {
+                    Ok(_) => match open_line::<DriverMsg>(&mut opener, &buf) {
                         Ok(DriverMsg::HostsUpdated(u)) => {
                             tracing::debug!(update = ?u, "hosts updated");
                             inbox.latest_update.fetch_max(u.update_id, Ordering::SeqCst);
@@ -374,33 +410,29 @@ fn spawn_reader(mut reader: BufReader<TcpStream>, r: Reader) {
                             tracing::warn!(generation, %reason, "the driver aborted the round");
                             // Answered before the abort: the join request the failed
                             // collectives lead to comes after it on this connection.
-                            let seen = WorkerMsg::AbortSeen {
-                                secret: secret.clone(),
-                                worker,
-                                generation,
-                            };
+                            let seen = WorkerMsg::AbortSeen { worker, generation };
                             // A failed write means the driver is gone: the read ends next.
-                            if let Ok(line) = encode_line(&seen) {
-                                let _ = write_line(&answer, &line);
-                            }
+                            let _ = send(&answer, &seen);
                             inbox.abort(generation, &reason);
                         }
                         Ok(DriverMsg::Ping) => {
                             // Answered from this thread, so a long training step never looks
                             // like a frozen process.
-                            let pong = WorkerMsg::Pong {
-                                secret: secret.clone(),
-                                worker,
-                            };
-                            if let Ok(line) = encode_line(&pong) {
-                                let _ = write_line(&answer, &line);
-                            }
+                            let _ = send(&answer, &WorkerMsg::Pong { worker });
                         }
                         Ok(msg) => {
                             // The receiver is gone only while the process is exiting.
                             let _ = rounds.send(msg);
                         }
-                        Err(e) => tracing::warn!(error = %e, "unreadable message from driver"),
+                        Err(ProtocolError::Refused(reason)) => {
+                            let _ = rounds.send(DriverMsg::Refused { reason });
+                        }
+                        Err(e) => {
+                            // Tampered, replayed or not from this driver: nothing more on
+                            // this connection can be trusted.
+                            tracing::error!(error = %e, "message from the driver refused");
+                            break;
+                        }
                     },
                 }
             }
