@@ -776,8 +776,13 @@ impl Communicator {
             let mut i = 0;
             while i < pending.len() {
                 let p = pending[i];
-                match crate::mailbox::peek(&pids[p], &remotes[p], d.seq, posted.len(), &mut inbox[p])
-                {
+                match crate::mailbox::peek(
+                    &pids[p],
+                    &remotes[p],
+                    d.seq,
+                    posted.len(),
+                    &mut inbox[p],
+                ) {
                     Ok(Some(head)) => {
                         descs[p] = match Descriptor::decode(&head) {
                             Ok(x) => x,
@@ -847,8 +852,7 @@ impl Communicator {
     /// peers write into this rank's buffers for it, before the call's opening tells them
     /// where they are. Every rank gives the same answer: it depends only on what they agreed.
     pub(crate) fn accept_pushes(&mut self, seq: u64, eligible: bool) -> bool {
-        let pushed =
-            eligible && self.mail.is_some() && self.crowded() && self.cores < self.size();
+        let pushed = eligible && self.mail.is_some() && self.crowded() && self.cores < self.size();
         if pushed {
             self.mailbox.accept_writes(seq);
         }

@@ -136,7 +136,9 @@ async fn read_handshake_line(
         Ok(Ok(n)) if n > 0 => Ok(()),
         Ok(Ok(_)) => Err(format!("closed before {what}")),
         Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("sent nothing for {FIRST_LINE_TIMEOUT:?} before {what}")),
+        Err(_) => Err(format!(
+            "sent nothing for {FIRST_LINE_TIMEOUT:?} before {what}"
+        )),
     }
 }
 
@@ -338,10 +340,8 @@ mod tests {
         /// The next line, or an empty one once the driver closed the connection.
         async fn line(&mut self) -> Vec<u8> {
             let mut buf = Vec::new();
-            let read = tokio::time::timeout(
-                Duration::from_secs(10),
-                self.r.read_until(b'\n', &mut buf),
-            );
+            let read =
+                tokio::time::timeout(Duration::from_secs(10), self.r.read_until(b'\n', &mut buf));
             // A reset is as closed as an end of stream.
             let _ = read.await.expect("the driver answers or closes");
             buf
@@ -408,8 +408,13 @@ mod tests {
         let (_, hello) = DialerAuth::start("another-job").unwrap();
         c.write(&hello).await;
         let _challenge = c.line().await;
-        c.write(&encode_line(&AuthMsg::Proof { proof: "ab".repeat(32) }).unwrap())
-            .await;
+        c.write(
+            &encode_line(&AuthMsg::Proof {
+                proof: "ab".repeat(32),
+            })
+            .unwrap(),
+        )
+        .await;
         assert!(refusal(&c.line().await).contains("wrong job secret"));
         assert!(c.line().await.is_empty(), "the connection closes");
         // Something that is no hello at all.

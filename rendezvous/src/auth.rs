@@ -165,7 +165,10 @@ pub fn seal_line<T: Serialize>(sealer: &mut Sealer, msg: &T) -> Result<Vec<u8>, 
 /// [`ProtocolError::TooLong`], [`ProtocolError::Unsealed`] (no tag: a refusal's reason is
 /// carried when the line is one), [`ProtocolError::Auth`] for a tag that does not check out,
 /// [`ProtocolError::Malformed`] for a sealed line that is not a message.
-pub fn open_line<T: DeserializeOwned>(opener: &mut Opener, line: &[u8]) -> Result<T, ProtocolError> {
+pub fn open_line<T: DeserializeOwned>(
+    opener: &mut Opener,
+    line: &[u8],
+) -> Result<T, ProtocolError> {
     if line.len() > MAX_LINE {
         return Err(ProtocolError::TooLong(line.len()));
     }
@@ -221,9 +224,15 @@ mod tests {
         for _ in 0..3 {
             let line = seal_line(&mut w_seal, &register()).unwrap();
             assert!(line.ends_with(b"\n") && !line[..line.len() - 1].contains(&b'\n'));
-            assert_eq!(open_line::<WorkerMsg>(&mut d_open, &line).unwrap(), register());
+            assert_eq!(
+                open_line::<WorkerMsg>(&mut d_open, &line).unwrap(),
+                register()
+            );
             let line = seal_line(&mut d_seal, &DriverMsg::Ping).unwrap();
-            assert_eq!(open_line::<DriverMsg>(&mut w_open, &line).unwrap(), DriverMsg::Ping);
+            assert_eq!(
+                open_line::<DriverMsg>(&mut w_open, &line).unwrap(),
+                DriverMsg::Ping
+            );
         }
         // Tabs and newlines inside strings are escaped, so the last tab is the tag's.
         let odd = WorkerMsg::Join {
@@ -239,7 +248,10 @@ mod tests {
     fn a_wrong_secret_fails_on_the_side_that_checks_first() {
         // The worker checks the driver's proof before it proves anything itself.
         let e = handshake("mine", "theirs").unwrap_err();
-        assert!(matches!(e, ProtocolError::Auth(hvd_auth::AuthError::BadProof)), "{e}");
+        assert!(
+            matches!(e, ProtocolError::Auth(hvd_auth::AuthError::BadProof)),
+            "{e}"
+        );
         // A worker that skips the check and sends a proof anyway is refused by the driver.
         let (_, hello) = DialerAuth::start("mine").unwrap();
         let (listener, _) = ListenerAuth::answer("theirs", &hello).unwrap();
@@ -277,12 +289,15 @@ mod tests {
         // Out of order.
         assert!(matches!(
             open_line::<WorkerMsg>(&mut open, &second),
-            Err(ProtocolError::Auth(hvd_auth::AuthError::BadTag { number: 0 }))
+            Err(ProtocolError::Auth(hvd_auth::AuthError::BadTag {
+                number: 0
+            }))
         ));
         // Tampered: the worker id changed on the way.
-        let tampered = String::from_utf8(first.clone())
-            .unwrap()
-            .replacen("\"worker\":3", "\"worker\":4", 1);
+        let tampered =
+            String::from_utf8(first.clone())
+                .unwrap()
+                .replacen("\"worker\":3", "\"worker\":4", 1);
         assert!(open_line::<WorkerMsg>(&mut open, tampered.as_bytes()).is_err());
         open_line::<WorkerMsg>(&mut open, &first).unwrap();
         // Replayed.

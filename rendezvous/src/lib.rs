@@ -14,8 +14,8 @@ mod msg;
 
 pub use assign::{AssignError, HostSlots, SlotInfo, assign_static};
 pub use auth::{AuthMsg, CONTEXT, DialerAuth, ListenerAuth, open_line, refusal_line, seal_line};
-pub use hvd_auth::{Opener, Sealer, Session};
 pub use env::*;
+pub use hvd_auth::{Opener, Sealer, Session};
 pub use msg::{
     DriverMsg, HostsUpdate, MAX_LINE, Placement, ProtocolError, WorkerMsg, decode_line, encode_line,
 };

@@ -243,17 +243,13 @@ mod tests {
         let ping = encode_line(&DriverMsg::Ping).unwrap();
         assert_eq!(ping, b"{\"type\":\"ping\"}\n");
         assert_eq!(decode_line::<DriverMsg>(&ping).unwrap(), DriverMsg::Ping);
-        let pong = WorkerMsg::Pong {
-            worker: 7,
-        };
+        let pong = WorkerMsg::Pong { worker: 7 };
         let line = encode_line(&pong).unwrap();
         assert_eq!(line, b"{\"type\":\"pong\",\"worker\":7}\n");
         assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), pong);
         assert!(decode_line::<WorkerMsg>(br#"{"type":"pong"}"#).is_err());
         // The secret never travels in a message.
-        assert!(
-            decode_line::<WorkerMsg>(br#"{"type":"pong","secret":"s","worker":7}"#).is_err()
-        );
+        assert!(decode_line::<WorkerMsg>(br#"{"type":"pong","secret":"s","worker":7}"#).is_err());
     }
 
     #[test]

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use hvd_collectives::AbortHandle;
 use hvd_rendezvous::{
-    DialerAuth, DriverMsg, MAX_LINE, Opener, Placement, ProtocolError, Sealer, WorkerMsg, open_line,
-    seal_line,
+    DialerAuth, DriverMsg, MAX_LINE, Opener, Placement, ProtocolError, Sealer, WorkerMsg,
+    open_line, seal_line,
 };
 
 use crate::error::{Error, Result};
