@@ -1,6 +1,7 @@
 //! `horovodrun --launcher agent` end to end: real `hvd-agent` processes on 127.0.0.2 and
 //! 127.0.0.3 (one free port, the same on both), static and elastic jobs of the example
-//! programs started through them, a worker and a whole agent killed on their host, a wrong
+//! programs started through them, a worker and a whole agent killed on their host, a worker
+//! frozen (killed through its agent), a wrong
 //! secret, an unreachable agent, and a driver that dies while its agents run its workers.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
@@ -239,6 +240,58 @@ fn a_lost_agent_fails_its_workers_and_the_job_recovers_without_it() {
     // Their agent is gone, so the workers it ran exit by themselves: the driver closed their
     // rendezvous connections.
     wait_gone(&orphans, "workers of the lost agent");
+}
+
+/// A worker frozen (SIGSTOP) on an agent's host stops answering the driver's pings: after
+/// `--heartbeat-timeout` the driver declares it failed and kills it through its agent (it is
+/// not the driver's child), and the job trains on without its host.
+#[test]
+fn a_frozen_worker_is_killed_through_its_agent_and_the_job_goes_on() {
+    let secret = format!("agent-frozen-{}", std::process::id());
+    let (agents, port) = agents(&["127.0.0.2", "127.0.0.3"], &secret);
+    let flags = &["-np", "4", "--min-np", "2", "--heartbeat-timeout", "2"];
+    let mut job = elastic_job("agent-frozen", HOSTS2, flags, port, &secret);
+    job.parents = agents.iter().map(Agent::pid).collect();
+    job.wait_step(20, 4);
+    let victim = job.pid_of_rank(3);
+    let host = job
+        .workers()
+        .into_iter()
+        .find(|w| w.0 == victim)
+        .map(|w| w.2)
+        .expect("the victim's host");
+    let host_pids = job.pids_on(&host);
+    signal(victim, Signal::SIGSTOP);
+    let t = Instant::now();
+    job.wait_step(1, 2);
+    let took = t.elapsed();
+    eprintln!("training went on at size 2 {took:?} after the SIGSTOP");
+    // Killed through the agent: a stopped process dies only of SIGKILL, so nothing else
+    // could have ended it.
+    wait_gone(&host_pids, "the frozen worker and its host's other worker");
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+    assert!(
+        err.contains("stopped answering the driver (frozen?); declared failed and killed")
+            && err.contains(&format!("host={host}"))
+            && err.contains("blacklisted"),
+        "{err}"
+    );
+    assert!(took < Duration::from_secs(2 + 6), "recovery took {took:?}");
+    // The agent was told to kill it, and did.
+    let agent = &agents[usize::from(host == "127.0.0.3")];
+    agent.wait_log(&format!("pid={victim}"), 3);
+    let log = agent.log();
+    let about: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(&format!("pid={victim}")))
+        .collect();
+    assert!(
+        about.iter().any(|l| l.contains("killing process group"))
+            && about.iter().any(|l| l.contains("signal=Some(9)")),
+        "{about:#?}"
+    );
 }
 
 #[test]
