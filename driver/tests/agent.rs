@@ -1,8 +1,8 @@
 //! `horovodrun --launcher agent` end to end: real `hvd-agent` processes on 127.0.0.2 and
 //! 127.0.0.3 (one free port, the same on both), static and elastic jobs of the example
 //! programs started through them, a worker and a whole agent killed on their host, a worker
-//! frozen (killed through its agent), a wrong
-//! secret, an unreachable agent, and a driver that dies while its agents run its workers.
+//! frozen (killed through its agent), a wrong secret, an unreachable agent, and a driver that
+//! dies while its agents run its workers.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
