@@ -27,17 +27,10 @@ Installing torch for it (CPU-only machine, Python 3.11, PyPI only)
     (``libcudart.so.13: cannot open shared object file``).  The leanest
     working install found (torch 2.15.0) skips triton, cusolver, cuda-bindings,
     nvtx and cccl (~0.5 GB of wheels) and installs only the libraries that are
-    linked at load time:
+    linked at load time, pinned in ``python/requirements-test.txt`` (the
+    tests install the same set into ``target/pyenv``):
 
-        pip install --no-deps torch==2.15.0 \\
-            nvidia-cuda-runtime==13.2.86 nvidia-cuda-cupti==13.2.86 \\
-            nvidia-cuda-nvrtc==13.2.86 nvidia-cublas==13.4.1.3 \\
-            nvidia-cufft==12.2.0.57 nvidia-cufile==1.17.1.22 \\
-            nvidia-cusparse==12.7.10.12 nvidia-nvjitlink==13.5.37 \\
-            nvidia-cusparselt-cu13==0.8.1 nvidia-nccl-cu13==2.30.7 \\
-            nvidia-cudnn-cu13==9.26.0.51 nvidia-nvshmem-cu13==3.7.2
-        pip install filelock 'typing-extensions>=4.13.0' 'sympy>=1.13.3' \\
-            'networkx>=2.5.1' jinja2 'fsspec>=0.8.5'
+        pip install --no-deps -r python/requirements-test.txt
 
     About 4 GB on disk (torch 1.2 GB, nvidia libs 2.8 GB); ~50 s on a fast
     link.  A plain ``pip install torch==2.15.0`` also works, only bigger.

@@ -1,0 +1,143 @@
+//! The `hvd` Python package end to end, with real PyTorch: a virtualenv under `target/pyenv`
+//! with torch from PyPI (`python/requirements-test.txt`) and the package built from
+//! `./python` by maturin, both installed on first use; then Python scripts under
+//! `horovodrun`, every result checked against a reference computed in the script.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// The repository's root.
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the workspace")
+        .to_path_buf()
+}
+
+/// The cargo target directory these tests were built into.
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe");
+    // target/<profile>/deps/<test>
+    exe.ancestors().nth(3).expect("target dir").to_path_buf()
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<Output, String> {
+    let out = cmd
+        .output()
+        .map_err(|e| format!("{what}: cannot run {cmd:?}: {e}"))?;
+    if out.status.success() {
+        Ok(out)
+    } else {
+        Err(format!(
+            "{what} failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// The virtualenv's interpreter, with torch and the package installed from this checkout.
+fn python() -> &'static Path {
+    static PYTHON: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    match PYTHON.get_or_init(set_up) {
+        Ok(p) => p,
+        Err(e) => panic!("setting up the Python environment: {e}"),
+    }
+}
+
+fn set_up() -> Result<PathBuf, String> {
+    let venv = target_dir().join("pyenv");
+    let bin = venv.join("bin");
+    let python = bin.join("python");
+    let ready = python.exists()
+        && Command::new(&python)
+            .args(["-c", "import torch, numpy, maturin"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+    if !ready {
+        eprintln!("installing torch into {} (first use)", venv.display());
+        run(
+            Command::new("python3").args(["-m", "venv"]).arg(&venv),
+            "creating the virtualenv",
+        )?;
+        run(
+            Command::new(bin.join("pip"))
+                .args(["install", "--quiet", "--no-deps", "-r"])
+                .arg(root().join("python/requirements-test.txt")),
+            "installing torch",
+        )?;
+    }
+    // maturin builds the native module with cargo into a target directory of its own (the
+    // package is not a workspace member), found again on the next run.
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    run(
+        Command::new(bin.join("pip"))
+            .args([
+                "install",
+                "--quiet",
+                "--no-build-isolation",
+                "--no-deps",
+                "--force-reinstall",
+            ])
+            .arg(root().join("python"))
+            .env("PATH", path)
+            .env("CARGO_TARGET_DIR", target_dir().join("python")),
+        "building and installing ./python",
+    )?;
+    Ok(python)
+}
+
+/// Runs `script` (under `python/tests/`) as `np` ranks on this host through `horovodrun`.
+fn horovodrun(np: usize, script: &str) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args(["-np", &np.to_string(), "-H", &format!("127.0.0.1:{np}")])
+        .arg(python())
+        .arg(root().join("python/tests").join(script))
+        .output()
+        .expect("horovodrun");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_collective_dtype_and_op_matches_its_reference_on_1_to_4_ranks() {
+    for np in 1..=4 {
+        let (code, out, err) = horovodrun(np, "collectives.py");
+        assert_eq!(code, 0, "{np} ranks:\n{out}\n{err}");
+        for rank in 0..np {
+            assert!(
+                out.contains(&format!("collectives ok: rank {rank} of {np},")),
+                "{np} ranks, rank {rank}:\n{out}\n{err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_script_run_without_horovodrun_is_a_world_of_one() {
+    let out = Command::new(python())
+        .arg(root().join("python/tests/collectives.py"))
+        .env_remove("HVD_RENDEZVOUS_ADDR")
+        .output()
+        .expect("python");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("collectives ok: rank 0 of 1,"),
+        "{stdout}\n{stderr}"
+    );
+}

@@ -1,0 +1,165 @@
+//! Tensor memory handed over by address and length: the package's only `unsafe`.
+//!
+//! `hvd.torch` passes a contiguous CPU tensor's `data_ptr()`, `numel()` and dtype, and holds a
+//! reference to the tensor for the whole call, so the memory lives until the call returns. The
+//! collectives then run on that memory directly, without a copy. As with Horovod, a tensor must
+//! not be used by another thread while a collective on it runs. The module `hvd._hvd` is
+//! private: only `hvd.torch` calls it, with addresses it took from live tensors.
+
+#![allow(unsafe_code)]
+
+use hvd::{ReduceOp, bf16, f16};
+use pyo3::PyResult;
+use pyo3::exceptions::PyValueError;
+
+/// An element type the collectives support, by PyTorch's name for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    U8,
+    I32,
+    I64,
+    F16,
+    BF16,
+    F32,
+    F64,
+}
+
+impl DType {
+    /// Parses `torch.dtype`'s name without its `torch.` prefix.
+    pub fn parse(name: &str) -> PyResult<Self> {
+        Ok(match name {
+            "uint8" => Self::U8,
+            "int32" => Self::I32,
+            "int64" => Self::I64,
+            "float16" => Self::F16,
+            "bfloat16" => Self::BF16,
+            "float32" => Self::F32,
+            "float64" => Self::F64,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "hvd does not reduce tensors of dtype {other}: use uint8, int32, int64, \
+                     float16, bfloat16, float32 or float64"
+                )));
+            }
+        })
+    }
+
+    /// Bytes per element, which is also the alignment the element needs.
+    fn size(self) -> usize {
+        match self {
+            Self::U8 => 1,
+            Self::F16 | Self::BF16 => 2,
+            Self::I32 | Self::F32 => 4,
+            Self::I64 | Self::F64 => 8,
+        }
+    }
+}
+
+/// `count` elements of `dtype` at `address`, checked for what can be checked: not null,
+/// aligned for the type, and a size that fits the address space.
+#[derive(Debug)]
+pub struct Region {
+    address: usize,
+    count: usize,
+    dtype: DType,
+}
+
+/// A region as the slice of its element type.
+pub enum Slice<'a> {
+    U8(&'a mut [u8]),
+    I32(&'a mut [i32]),
+    I64(&'a mut [i64]),
+    F16(&'a mut [f16]),
+    BF16(&'a mut [bf16]),
+    F32(&'a mut [f32]),
+    F64(&'a mut [f64]),
+}
+
+/// Runs `$body` with `$b` bound to the slice, whatever its element type.
+macro_rules! each {
+    ($slice:expr, $b:ident => $body:expr) => {
+        match $slice {
+            Slice::U8($b) => $body,
+            Slice::I32($b) => $body,
+            Slice::I64($b) => $body,
+            Slice::F16($b) => $body,
+            Slice::BF16($b) => $body,
+            Slice::F32($b) => $body,
+            Slice::F64($b) => $body,
+        }
+    };
+}
+
+impl Slice<'_> {
+    /// [`hvd::allreduce`] on the slice.
+    pub fn allreduce(self, op: ReduceOp) -> hvd::Result<()> {
+        each!(self, b => hvd::allreduce(b, op))
+    }
+
+    /// [`hvd::broadcast`] on the slice.
+    pub fn broadcast(self, root: usize) -> hvd::Result<()> {
+        each!(self, b => hvd::broadcast(b, root))
+    }
+}
+
+impl Region {
+    /// Checks a region handed over from Python.
+    pub fn new(address: usize, count: usize, dtype: DType) -> PyResult<Self> {
+        let bytes = count
+            .checked_mul(dtype.size())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| PyValueError::new_err(format!("{count} elements are too many")))?;
+        if count > 0 && address == 0 {
+            return Err(PyValueError::new_err("a tensor with no memory"));
+        }
+        if address % dtype.size() != 0 {
+            return Err(PyValueError::new_err(format!(
+                "tensor memory at {address:#x} is not aligned for {dtype:?}"
+            )));
+        }
+        if address.checked_add(bytes).is_none() {
+            return Err(PyValueError::new_err(
+                "tensor memory wraps the address space",
+            ));
+        }
+        Ok(Self {
+            address,
+            count,
+            dtype,
+        })
+    }
+
+    /// Runs `f` on the region as a mutable slice of its element type.
+    pub fn with_mut<R>(&self, f: impl FnOnce(Slice<'_>) -> R) -> R {
+        // An empty slice needs a non-null, aligned pointer, whatever the tensor's address.
+        if self.count == 0 {
+            return f(match self.dtype {
+                DType::U8 => Slice::U8(&mut []),
+                DType::I32 => Slice::I32(&mut []),
+                DType::I64 => Slice::I64(&mut []),
+                DType::F16 => Slice::F16(&mut []),
+                DType::BF16 => Slice::BF16(&mut []),
+                DType::F32 => Slice::F32(&mut []),
+                DType::F64 => Slice::F64(&mut []),
+            });
+        }
+        let (p, n) = (self.address, self.count);
+        // SAFETY: `hvd.torch` passes the data pointer and element count of a live, contiguous
+        // CPU tensor of this dtype, which it keeps referenced until the call returns (so the
+        // memory stays allocated), and no other reference to that memory is used meanwhile
+        // (the documented rule for tensors in flight). `new` checked that the pointer is not
+        // null, is aligned for the type, and that the length fits `isize`. Every bit pattern is
+        // a valid value of these element types.
+        unsafe {
+            f(match self.dtype {
+                DType::U8 => Slice::U8(std::slice::from_raw_parts_mut(p as *mut u8, n)),
+                DType::I32 => Slice::I32(std::slice::from_raw_parts_mut(p as *mut i32, n)),
+                DType::I64 => Slice::I64(std::slice::from_raw_parts_mut(p as *mut i64, n)),
+                DType::F16 => Slice::F16(std::slice::from_raw_parts_mut(p as *mut f16, n)),
+                DType::BF16 => Slice::BF16(std::slice::from_raw_parts_mut(p as *mut bf16, n)),
+                DType::F32 => Slice::F32(std::slice::from_raw_parts_mut(p as *mut f32, n)),
+                DType::F64 => Slice::F64(std::slice::from_raw_parts_mut(p as *mut f64, n)),
+            })
+        }
+    }
+}

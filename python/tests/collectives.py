@@ -1,0 +1,146 @@
+"""Every collective of ``hvd.torch`` against a reference computed here, run under
+``horovodrun -np N`` (1 to 4 ranks). Every rank builds every rank's input from
+(rank, case) alone, so each can compute the expected result itself.
+
+Prints ``collectives ok: rank R of N, C cases`` and exits 0, or raises.
+"""
+
+import sys
+
+import torch
+
+import hvd.torch as hvd
+
+DTYPES = [torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+          torch.float32, torch.float64]
+OPS = {hvd.Sum: "sum", hvd.Average: "average", hvd.Min: "min", hvd.Max: "max",
+       hvd.Product: "product"}
+# Element counts on both sides of the 32 KiB threshold between the small-call and ring paths.
+COUNTS = [0, 1, 7, 1000, 20000]
+
+
+def data(rank, case, count, dtype):
+    """Rank ``rank``'s input of case ``case``: small values, so products stay exact."""
+    g = torch.Generator().manual_seed(1000 * case + rank)
+    v = torch.randint(1, 4, (count,), generator=g)
+    return v.to(dtype)
+
+
+def reference(inputs, op, dtype):
+    """The reduction of ``inputs``, computed in float64 (ints in int64), then cast."""
+    wide = torch.float64 if dtype.is_floating_point else torch.int64
+    xs = torch.stack([x.to(wide) for x in inputs])
+    if op == "sum":
+        r = xs.sum(0)
+    elif op == "average":
+        r = xs.sum(0) / len(inputs)
+        if not dtype.is_floating_point:
+            r = torch.trunc(r)
+    elif op == "min":
+        r = xs.min(0).values
+    elif op == "max":
+        r = xs.max(0).values
+    else:
+        r = xs.prod(0)
+    return r.to(dtype)
+
+
+def close(got, want, dtype):
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.allclose(got.double(), want.double(), rtol=1e-2, atol=1e-2)
+    if dtype.is_floating_point:
+        return torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    return torch.equal(got, want)
+
+
+def main():
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    assert 0 <= hvd.local_rank() < hvd.local_size() <= n
+    assert 0 <= hvd.cross_rank() < hvd.cross_size() <= n
+    assert hvd.is_initialized() and hvd.gloo_built() and not hvd.nccl_built()
+    cases = 0
+    case = 0
+    for dtype in DTYPES:
+        for op, name in OPS.items():
+            if name == "product" and dtype in (torch.uint8, torch.float16, torch.bfloat16):
+                counts = [1, 7]  # 3^4 overflows a byte and loses half precision past 2^11
+            else:
+                counts = COUNTS
+            for count in counts:
+                case += 1
+                inputs = [data(p, case, count, dtype) for p in range(n)]
+                want = reference(inputs, name, dtype)
+                mine = inputs[r].clone()
+                got = hvd.allreduce(mine, op=op)
+                assert torch.equal(mine, inputs[r]), "allreduce changed its input"
+                assert got.dtype == dtype and got.shape == mine.shape
+                assert close(got, want, dtype), (dtype, name, count, got[:8], want[:8])
+                again = inputs[r].clone()
+                assert hvd.allreduce_(again, op=op) is again
+                assert close(again, want, dtype), (dtype, name, count, "in place")
+                cases += 1
+        for root in range(n):
+            case += 1
+            inputs = [data(p, case, 1000, dtype) for p in range(n)]
+            got = hvd.broadcast(inputs[r], root)
+            assert torch.equal(got, inputs[root]), (dtype, root)
+            cases += 1
+
+    # A non-contiguous tensor is reduced in place through a contiguous copy.
+    m = torch.arange(12, dtype=torch.float32).reshape(3, 4) * (r + 1)
+    col = m[:, 1]
+    assert not col.is_contiguous()
+    hvd.allreduce_(col, op=hvd.Sum)
+    tri = n * (n + 1) // 2
+    assert torch.equal(m[:, 1], torch.tensor([1.0, 5.0, 9.0]) * tri), m
+    assert torch.equal(m[:, 0], torch.tensor([0.0, 4.0, 8.0]) * (r + 1)), "other columns kept"
+
+    # Pre- and postscaling, and the deprecated ``average`` flag.
+    x = torch.ones(5, dtype=torch.float64)
+    got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    assert torch.equal(got, torch.full((5,), float(n), dtype=torch.float64)), got
+    assert torch.equal(hvd.allreduce(x, average=False), torch.full((5,), float(n),
+                                                                      dtype=torch.float64))
+    assert torch.equal(hvd.allreduce(x), x), "the default op is the average"
+
+    # broadcast_parameters: every rank ends with rank 0's parameters.
+    torch.manual_seed(r)
+    model = torch.nn.Linear(4, 3)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(4, 3)
+    for (k, a), (_, b) in zip(model.state_dict().items(), expected.state_dict().items()):
+        assert torch.equal(a, b), k
+
+    # Clear errors, and no collective is left half done by them.
+    for bad, what in [(lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool)), "dtype bool"),
+                      (lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), "Adasum"),
+                      (lambda: hvd.allreduce([1.0]), "torch.Tensor"),
+                      (lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32),
+                                             prescale_factor=2.0), "floating-point")]:
+        try:
+            bad()
+        except (ValueError, TypeError, NotImplementedError) as e:
+            assert what in str(e), (what, str(e))
+        else:
+            raise AssertionError(f"no error for {what}")
+
+    # A length that differs between ranks fails on every rank, naming it, and the next
+    # collective works.
+    if n > 1:
+        try:
+            hvd.allreduce(torch.ones(3 + r))
+        except RuntimeError as e:
+            assert "length" in str(e) or "mismatch" in str(e), str(e)
+        else:
+            raise AssertionError("a length mismatch between ranks went through")
+        assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+
+    hvd.barrier()
+    print(f"collectives ok: rank {r} of {n}, {cases} cases", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
