@@ -15,8 +15,11 @@ use hvd_rendezvous::{
     AuthMsg, DialerAuth, DriverMsg, HostsUpdate, ListenerAuth, MAX_LINE, Opener, Placement,
     ProtocolError, Sealer, WorkerMsg, decode_line, encode_line, open_line, seal_line,
 };
+use lines::{Edit, check, edits};
 use proptest::collection::vec;
 use proptest::prelude::*;
+
+mod lines;
 
 /// Cases per property: enough to reach every variant and mutation often, quick on two cores.
 const CASES: u32 = 512;
@@ -103,16 +106,6 @@ fn driver_msg() -> impl Strategy<Value = DriverMsg> {
     ]
 }
 
-/// One edit of a line: what to do, where, and with what.
-type Edit = (u8, usize, u8, Vec<u8>);
-
-fn edits() -> impl Strategy<Value = Vec<Edit>> {
-    vec(
-        (0u8..8, any::<usize>(), any::<u8>(), vec(any::<u8>(), 0..12)),
-        1..5,
-    )
-}
-
 /// Fragments a hostile peer would try: repeated and unknown fields, numbers past every
 /// integer type, bad escapes, deep nesting.
 const FRAGMENTS: &[&[u8]] = &[
@@ -127,55 +120,8 @@ const FRAGMENTS: &[&[u8]] = &[
     b"\xff\xfe\xc3\x28\xed\xa0\x80",
 ];
 
-/// Applies `edits` to `line`: cut, flip, insert, delete, repeat a span, insert a hostile
-/// fragment, insert invalid UTF-8.
-fn mutate(mut line: Vec<u8>, edits: &[Edit]) -> Vec<u8> {
-    for (kind, at, byte, bytes) in edits {
-        let at = at % (line.len() + 1);
-        match kind {
-            0 => line.truncate(at),
-            1 if at < line.len() => line[at] ^= (*byte).max(1),
-            2 => drop(line.splice(at..at, bytes.iter().copied())),
-            3 => drop(line.drain(at..(at + usize::from(*byte % 16)).min(line.len()))),
-            4 => {
-                let span = line[at..(at + usize::from(*byte)).min(line.len())].to_vec();
-                line.splice(at..at, span);
-            }
-            5 | 6 => {
-                let f = FRAGMENTS[usize::from(*byte) % FRAGMENTS.len()];
-                line.splice(at..at, f.iter().copied());
-            }
-            _ => drop(line.splice(at..at, [0xff, 0xc0, 0x80])),
-        }
-    }
-    line
-}
-
-/// The contract for any input: a message that encodes back to a line decoding to itself, or a
-/// `Malformed`/`TooLong` error with a message.
-fn check<T>(line: &[u8]) -> Result<(), TestCaseError>
-where
-    T: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug,
-{
-    match decode_line::<T>(line) {
-        Ok(msg) => {
-            let again = encode_line(&msg).unwrap();
-            prop_assert_eq!(decode_line::<T>(&again).unwrap(), msg);
-        }
-        Err(e @ ProtocolError::Malformed(_)) => {
-            let s = e.to_string();
-            prop_assert!(
-                s.starts_with("malformed message: ") && s.len() > 19,
-                "{}",
-                s
-            );
-        }
-        Err(e @ ProtocolError::TooLong(_)) => {
-            prop_assert!(line.len() > MAX_LINE, "{e} for {} bytes", line.len());
-        }
-        Err(e) => prop_assert!(false, "a plain line cannot fail with {}", e),
-    }
-    Ok(())
+fn mutate(line: Vec<u8>, edits: &[Edit]) -> Vec<u8> {
+    lines::mutate(line, edits, FRAGMENTS)
 }
 
 proptest! {
