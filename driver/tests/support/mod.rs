@@ -418,3 +418,104 @@ pub fn assert_probe_lines(stdout: &str, stderr: &str, ranks: usize, lines: usize
         }
     }
 }
+
+/// The variable that gives `hvd-agent` and `horovodrun --launcher agent` their secret.
+pub const SECRET_VAR: &str = "HVD_AGENT_SECRET";
+
+/// A running `hvd-agent`, killed when dropped; its log is collected as it runs.
+pub struct Agent {
+    child: Child,
+    log: Arc<Mutex<String>>,
+}
+
+impl Agent {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Waits until the log contains `what` `n` times.
+    pub fn wait_log(&self, what: &str, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.log().matches(what).count() < n {
+            assert!(
+                Instant::now() < deadline,
+                "agent never logged {what:?}: {}",
+                self.log()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn agent_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe");
+    let p = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target dir")
+        .join("hvd-agent");
+    assert!(
+        p.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`, which builds it",
+        p.display()
+    );
+    p
+}
+
+/// Starts an agent on `listen`; `None` when it could not listen there.
+pub fn start_agent(listen: &str, secret: &str) -> Option<(Agent, String)> {
+    let mut child = Command::new(agent_binary())
+        .args(["--listen", listen])
+        .env(SECRET_VAR, secret)
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn hvd-agent");
+    let err = child.stderr.take().expect("stderr");
+    let log = Arc::new(Mutex::new(String::new()));
+    let (tx, rx) = mpsc::channel();
+    let sink = log.clone();
+    thread::spawn(move || {
+        for l in BufReader::new(err).lines().map_while(Result::ok) {
+            if let Some((_, a)) = l.split_once("addr=") {
+                let _ = tx.send(a.split_whitespace().next().unwrap_or_default().to_string());
+            }
+            let mut s = sink.lock().unwrap();
+            s.push_str(&l);
+            s.push('\n');
+        }
+    });
+    let agent = Agent { child, log };
+    let addr = rx.recv_timeout(Duration::from_secs(20)).ok()?;
+    Some((agent, addr))
+}
+
+/// One agent on each of `ips`, all on one free port; returns them and the port.
+pub fn agents(ips: &[&str], secret: &str) -> (Vec<Agent>, u16) {
+    for _ in 0..10 {
+        let (first, addr) = start_agent(&format!("{}:0", ips[0]), secret).expect("first agent");
+        let port: u16 = addr.rsplit_once(':').unwrap().1.parse().unwrap();
+        let mut all = vec![first];
+        for ip in &ips[1..] {
+            match start_agent(&format!("{ip}:{port}"), secret) {
+                Some((a, _)) => all.push(a),
+                None => break, // the port is taken there; try another
+            }
+        }
+        if all.len() == ips.len() {
+            return (all, port);
+        }
+    }
+    panic!("no port free on all of {ips:?}");
+}
