@@ -122,13 +122,13 @@ impl Fleet {
     /// any started.
     fn restart(&mut self, all: bool) -> bool {
         let mut any = false;
-        for i in 0..POOL.len() {
+        for (i, host) in POOL.iter().enumerate() {
             let due = self.restart_at[i].is_some_and(|t| all || Instant::now() >= t);
             if !due {
                 continue;
             }
             // The port may still be held for a moment; then it is tried again later.
-            if let Some((a, _)) = start_agent(&format!("{}:{}", POOL[i], self.port), &self.secret) {
+            if let Some((a, _)) = start_agent(&format!("{host}:{}", self.port), &self.secret) {
                 self.agents[i] = Some(a);
                 self.restart_at[i] = None;
                 any = true;
