@@ -1,7 +1,9 @@
 //! The `hvd` Python package end to end, with real PyTorch: a virtualenv under `target/pyenv`
 //! with torch from PyPI (`python/requirements-test.txt`) and the package built from
 //! `./python` by maturin, both installed on first use; then Python scripts under
-//! `horovodrun`, every result checked against a reference computed in the script.
+//! `horovodrun`, every result checked against a reference computed in the script: the
+//! collectives (`python/tests/collectives.py`) and `DistributedOptimizer`
+//! (`python/tests/optimizer.py`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
@@ -110,18 +112,28 @@ fn horovodrun(np: usize, script: &str) -> (i32, String, String) {
     )
 }
 
-#[test]
-fn every_collective_dtype_and_op_matches_its_reference_on_1_to_4_ranks() {
-    for np in 1..=4 {
-        let (code, out, err) = horovodrun(np, "collectives.py");
+/// Runs `script` on each of `nps` ranks counts; every rank must print `<what> ok: rank R of N`.
+fn passes_on(script: &str, what: &str, nps: &[usize]) {
+    for &np in nps {
+        let (code, out, err) = horovodrun(np, script);
         assert_eq!(code, 0, "{np} ranks:\n{out}\n{err}");
         for rank in 0..np {
             assert!(
-                out.contains(&format!("collectives ok: rank {rank} of {np},")),
+                out.contains(&format!("{what} ok: rank {rank} of {np}")),
                 "{np} ranks, rank {rank}:\n{out}\n{err}"
             );
         }
     }
+}
+
+#[test]
+fn every_collective_dtype_and_op_matches_its_reference_on_1_to_4_ranks() {
+    passes_on("collectives.py", "collectives", &[1, 2, 3, 4]);
+}
+
+#[test]
+fn the_distributed_optimizer_trains_as_one_process_on_the_union_of_the_batches() {
+    passes_on("optimizer.py", "optimizer", &[1, 2, 3]);
 }
 
 #[test]

@@ -8,12 +8,14 @@
 
 mod memory;
 
-use hvd::{Error, ReduceOp};
+use std::sync::{Mutex, PoisonError};
+
+use hvd::{Engine, Error, Handle, ReduceOp, Submitter, bf16, f16};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use memory::{DType, Region};
+use memory::{Borrowed, DType, Lent, Region};
 
 create_exception!(
     _hvd,
@@ -61,7 +63,8 @@ fn init(py: Python<'_>) -> PyResult<()> {
 /// Leaves the job cleanly.
 #[pyfunction]
 fn shutdown(py: Python<'_>) -> PyResult<()> {
-    py.detach(hvd::shutdown).map_err(raise)
+    py.detach(|| stop_engine().and_then(|()| hvd::shutdown()))
+        .map_err(raise)
 }
 
 /// Whether `init` was called (and `shutdown` not since).
@@ -109,6 +112,182 @@ fn broadcast_(
         .map_err(raise)
 }
 
+/// The background engine, started by the first asynchronous op: ops are matched across
+/// ranks by name and allreduces fused, as in Horovod.
+static ENGINE: Mutex<Option<Engine>> = Mutex::new(None);
+
+fn submitter() -> PyResult<Submitter> {
+    let mut engine = ENGINE.lock().unwrap_or_else(PoisonError::into_inner);
+    if engine.is_none() {
+        let cfg = hvd::engine_config().map_err(raise)?;
+        *engine = Some(hvd::start_engine(cfg).map_err(raise)?);
+    }
+    match engine.as_ref() {
+        Some(e) => Ok(e.submitter()),
+        None => Err(PyRuntimeError::new_err("the engine did not start")),
+    }
+}
+
+/// Stops the background engine, if it runs, and gives the communicator back.
+fn stop_engine() -> Result<(), Error> {
+    let engine = ENGINE.lock().unwrap_or_else(PoisonError::into_inner).take();
+    match engine {
+        Some(e) => hvd::stop_engine(e),
+        None => Ok(()),
+    }
+}
+
+/// An op the engine runs, with its element type.
+enum Pending {
+    U8(Handle<u8, Borrowed<u8>>),
+    I32(Handle<i32, Borrowed<i32>>),
+    I64(Handle<i64, Borrowed<i64>>),
+    F16(Handle<f16, Borrowed<f16>>),
+    BF16(Handle<bf16, Borrowed<bf16>>),
+    F32(Handle<f32, Borrowed<f32>>),
+    F64(Handle<f64, Borrowed<f64>>),
+}
+
+/// Runs `$body` with `$h` bound to the handle, whatever its element type, and `$wrap` the
+/// matching variant of [`Lent`].
+macro_rules! each_pending {
+    ($p:expr, $h:ident, $wrap:ident => $body:expr) => {
+        match $p {
+            Pending::U8($h) => {
+                let $wrap = Lent::U8;
+                $body
+            }
+            Pending::I32($h) => {
+                let $wrap = Lent::I32;
+                $body
+            }
+            Pending::I64($h) => {
+                let $wrap = Lent::I64;
+                $body
+            }
+            Pending::F16($h) => {
+                let $wrap = Lent::F16;
+                $body
+            }
+            Pending::BF16($h) => {
+                let $wrap = Lent::BF16;
+                $body
+            }
+            Pending::F32($h) => {
+                let $wrap = Lent::F32;
+                $body
+            }
+            Pending::F64($h) => {
+                let $wrap = Lent::F64;
+                $body
+            }
+        }
+    };
+}
+
+/// Submits `lent` to the engine as `submit` says, for every element type.
+macro_rules! submit_each {
+    ($lent:expr, $b:ident => $submit:expr) => {
+        match $lent {
+            Lent::U8($b) => Pending::U8($submit),
+            Lent::I32($b) => Pending::I32($submit),
+            Lent::I64($b) => Pending::I64($submit),
+            Lent::F16($b) => Pending::F16($submit),
+            Lent::BF16($b) => Pending::BF16($submit),
+            Lent::F32($b) => Pending::F32($submit),
+            Lent::F64($b) => Pending::F64($submit),
+        }
+    };
+}
+
+/// The pending result of an asynchronous op on a tensor, reduced in the tensor's own memory.
+#[pyclass(module = "hvd._hvd")]
+struct AsyncHandle {
+    pending: Mutex<Option<Pending>>,
+    name: String,
+}
+
+#[pymethods]
+impl AsyncHandle {
+    /// Whether the op has finished (successfully or not); never blocks.
+    fn poll(&self) -> bool {
+        let mut p = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        match p.as_mut() {
+            Some(p) => each_pending!(p, h, _w => h.poll()),
+            None => true,
+        }
+    }
+
+    /// Waits for the op (without the GIL); raises its error. A handle is waited for once.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        let pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(pending) = pending else {
+            return Err(PyValueError::new_err(format!(
+                "op '{}' was already waited for",
+                self.name
+            )));
+        };
+        // The tensor's reference comes back with the result and is dropped here, holding the
+        // GIL.
+        let done: hvd::Result<Lent> = py
+            .detach(|| each_pending!(pending, h, wrap => h.wait().map(wrap).map_err(Error::from)));
+        done.map(drop).map_err(raise)
+    }
+
+    /// The op's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// Starts reducing the tensor `owner` (its `count` elements of `dtype` at `address`) across
+/// all ranks in the background, in place, under `name`: every rank submits an op of that
+/// name. Returns its handle.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn allreduce_async_(
+    address: usize,
+    count: usize,
+    dtype: &str,
+    op: &str,
+    name: String,
+    owner: Py<PyAny>,
+) -> PyResult<AsyncHandle> {
+    let op = op_from(op)?;
+    let lent = Region::new(address, count, DType::parse(dtype)?)?.lend(owner);
+    let s = submitter()?;
+    let pending = submit_each!(lent, b => s.allreduce_async(&name, b, op));
+    Ok(AsyncHandle {
+        pending: Mutex::new(Some(pending)),
+        name,
+    })
+}
+
+/// Starts copying the tensor `owner` from rank `root` to every rank in the background, in
+/// place, under `name`.
+#[pyfunction]
+fn broadcast_async_(
+    address: usize,
+    count: usize,
+    dtype: &str,
+    root: usize,
+    name: String,
+    owner: Py<PyAny>,
+) -> PyResult<AsyncHandle> {
+    let lent = Region::new(address, count, DType::parse(dtype)?)?.lend(owner);
+    let s = submitter()?;
+    let pending = submit_each!(lent, b => s.broadcast_async(&name, b, root));
+    Ok(AsyncHandle {
+        pending: Mutex::new(Some(pending)),
+        name,
+    })
+}
+
 /// Waits until every rank has called it.
 #[pyfunction]
 fn barrier(py: Python<'_>) -> PyResult<()> {
@@ -125,6 +304,9 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(allreduce_, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_, m)?)?;
     m.add_function(wrap_pyfunction!(barrier, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_async_, m)?)?;
+    m.add_function(wrap_pyfunction!(broadcast_async_, m)?)?;
+    m.add_class::<AsyncHandle>()?;
     m.add(
         "HorovodInternalError",
         m.py().get_type::<HorovodInternalError>(),

@@ -163,3 +163,76 @@ impl Region {
         }
     }
 }
+
+/// A tensor's memory lent to the background engine while Python goes on: the tensor stays
+/// referenced (so allocated) until the op's result is dropped.
+pub struct Borrowed<T> {
+    ptr: std::ptr::NonNull<T>,
+    len: usize,
+    _owner: pyo3::Py<pyo3::PyAny>,
+}
+
+// SAFETY: the memory is a tensor's buffer, which belongs to no thread; while the engine holds
+// it, the rule for tensors in flight (no other use until the op completes) makes this the only
+// reference to it, as a `Vec<T>` would be.
+unsafe impl<T: Send> Send for Borrowed<T> {}
+
+impl<T> std::ops::Deref for Borrowed<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: as in `Region::with_mut`: a live, aligned, non-null buffer of `len` elements,
+        // kept allocated by `_owner`; an empty one uses a dangling, aligned pointer.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T> std::ops::DerefMut for Borrowed<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as in `deref`, and `&mut self` is the only way to the memory meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: hvd::Element> hvd::Buffer for Borrowed<T> {
+    type Elem = T;
+}
+
+/// A lent region with its element type.
+pub enum Lent {
+    U8(Borrowed<u8>),
+    I32(Borrowed<i32>),
+    I64(Borrowed<i64>),
+    F16(Borrowed<f16>),
+    BF16(Borrowed<bf16>),
+    F32(Borrowed<f32>),
+    F64(Borrowed<f64>),
+}
+
+impl Region {
+    /// Lends the region to the engine, keeping `owner` (the tensor) referenced meanwhile.
+    pub fn lend(self, owner: pyo3::Py<pyo3::PyAny>) -> Lent {
+        fn make<T>(address: usize, len: usize, owner: pyo3::Py<pyo3::PyAny>) -> Borrowed<T> {
+            let ptr = if len == 0 {
+                std::ptr::NonNull::dangling()
+            } else {
+                // `Region::new` refused a null address for a non-empty region.
+                std::ptr::NonNull::new(address as *mut T).unwrap_or(std::ptr::NonNull::dangling())
+            };
+            Borrowed {
+                ptr,
+                len,
+                _owner: owner,
+            }
+        }
+        let (a, n) = (self.address, self.count);
+        match self.dtype {
+            DType::U8 => Lent::U8(make(a, n, owner)),
+            DType::I32 => Lent::I32(make(a, n, owner)),
+            DType::I64 => Lent::I64(make(a, n, owner)),
+            DType::F16 => Lent::F16(make(a, n, owner)),
+            DType::BF16 => Lent::BF16(make(a, n, owner)),
+            DType::F32 => Lent::F32(make(a, n, owner)),
+            DType::F64 => Lent::F64(make(a, n, owner)),
+        }
+    }
+}

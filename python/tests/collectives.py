@@ -137,6 +137,43 @@ def main():
             raise AssertionError("a length mismatch between ranks went through")
         assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
 
+    # Asynchronous ops through the background engine: many in flight at once, fused.
+    case += 1
+    tensors = {dt: [data(p, case + k, 500 + 37 * k, dt) for p in range(n)]
+               for k, dt in enumerate(DTYPES)}
+    handles = {}
+    for dt, inputs in tensors.items():
+        handles[dt] = hvd.allreduce_async_(inputs[r].clone(), op=hvd.Sum, name=f"a.{dt}")
+    for dt, h in handles.items():
+        while not hvd.poll(h):
+            pass
+        got = hvd.synchronize(h)
+        assert close(got, reference(tensors[dt], "sum", dt), dt), ("async", dt)
+        cases += 1
+    try:
+        hvd.synchronize(handles[torch.float32])
+    except ValueError as e:
+        assert "already synchronized" in str(e), str(e)
+    else:
+        raise AssertionError("a handle synchronized twice")
+    x = torch.full((10,), float(r + 1))
+    h = hvd.allreduce_async(x, postscale_factor=2.0)
+    assert torch.equal(hvd.synchronize(h), torch.full((10,), (n + 1.0))), "average x2"
+    assert torch.equal(x, torch.full((10,), float(r + 1))), "allreduce_async kept its input"
+    m = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    col = m[:, 2]
+    hvd.synchronize(hvd.allreduce_async_(col, op=hvd.Sum))
+    assert torch.equal(m[:, 2], torch.tensor([2.0, 6.0, 10.0], dtype=torch.float64) * n)
+    group = [torch.full((k + 1,), float(r + k)) for k in range(20)]
+    outs = hvd.grouped_allreduce(group, op=hvd.Sum)
+    for k, o in enumerate(outs):
+        assert torch.equal(o, torch.full((k + 1,), float(n * (n - 1) // 2 + n * k))), k
+    b = hvd.synchronize(hvd.broadcast_async(torch.full((3,), float(r)), root_rank=n - 1))
+    assert torch.equal(b, torch.full((3,), float(n - 1)))
+    # Synchronous calls go on working while the engine holds the communicator.
+    assert torch.equal(hvd.allreduce(torch.ones(4), op=hvd.Sum), torch.full((4,), float(n)))
+    cases += 5
+
     hvd.barrier()
     print(f"collectives ok: rank {r} of {n}, {cases} cases", flush=True)
     hvd.shutdown()

@@ -1,0 +1,362 @@
+"""The collectives of ``hvd.torch``, over hvd's native module.
+
+Tensors go to the collectives without a copy when they are contiguous CPU
+tensors; others are made contiguous (and CUDA tensors staged through host
+memory), reduced, and copied back. Every call that waits on other ranks
+releases the GIL.
+"""
+
+import torch as _torch
+
+from hvd import _hvd
+from hvd._hvd import HorovodInternalError, HostsUpdatedInterrupt
+from hvd.torch.compression import Compression
+
+
+class _Op:
+    """A reduction, named as Horovod names it."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return "hvd." + self.name.capitalize()
+
+
+Average = _Op("average")
+Sum = _Op("sum")
+Min = _Op("min")
+Max = _Op("max")
+Product = _Op("product")
+Adasum = _Op("adasum")
+
+
+def init(comm=None, process_sets=None):
+    """Joins the job ``horovodrun`` started this process in; a world of one without it."""
+    if comm is not None:
+        raise ValueError("hvd.init(comm=...) is MPI's; hvd runs without MPI")
+    if process_sets is not None:
+        raise NotImplementedError("process sets at init are not supported yet")
+    _hvd.init()
+
+
+def shutdown():
+    """Leaves the job cleanly."""
+    _hvd.shutdown()
+
+
+def is_initialized():
+    """Whether ``init()`` was called, and ``shutdown()`` not since."""
+    return _hvd.is_initialized()
+
+
+def rank():
+    """This process's rank in the job."""
+    return _hvd.topology()[0]
+
+
+def size():
+    """The number of processes in the job."""
+    return _hvd.topology()[1]
+
+
+def local_rank():
+    """This process's rank among those on its host."""
+    return _hvd.topology()[2]
+
+
+def local_size():
+    """The number of processes on this host."""
+    return _hvd.topology()[3]
+
+
+def cross_rank():
+    """This host's index among the hosts with a process of this local rank."""
+    return _hvd.topology()[4]
+
+
+def cross_size():
+    """The number of hosts with a process of this local rank."""
+    return _hvd.topology()[5]
+
+
+def is_homogeneous():
+    """Whether every host runs the same number of processes."""
+    return _hvd.topology()[6]
+
+
+def gloo_built():
+    """True: hvd's transport is its own TCP and shared-memory collectives, Gloo's role."""
+    return True
+
+
+def nccl_built():
+    """False: this build has no NCCL path."""
+    return False
+
+
+def mpi_built():
+    """False: hvd runs without MPI."""
+    return False
+
+
+def mpi_enabled():
+    """False: hvd runs without MPI."""
+    return False
+
+
+def _dtype_name(tensor):
+    return str(tensor.dtype).replace("torch.", "")
+
+
+def _tensor(tensor):
+    if not isinstance(tensor, _torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def _in_place(tensor, run):
+    """Runs ``run(address, count, dtype)`` on ``tensor``'s memory, staging it through a
+    contiguous CPU copy when it is not one already."""
+    _tensor(tensor)
+    direct = tensor.device.type == "cpu" and tensor.is_contiguous()
+    work = tensor if direct else tensor.detach().to("cpu").contiguous()
+    # ``work`` is referenced by this frame until ``run`` returns: its memory stays allocated.
+    run(work.data_ptr(), work.numel(), _dtype_name(work))
+    if not direct:
+        with _torch.no_grad():
+            tensor.copy_(work)
+    return tensor
+
+
+def _op_of(average, op):
+    if average is not None:
+        if op is not None:
+            raise ValueError("pass either op or the deprecated average, not both")
+        return Average if average else Sum
+    op = Average if op is None else op
+    if op is Adasum:
+        raise NotImplementedError("hvd.Adasum is not supported yet: use hvd.Average or hvd.Sum")
+    if not isinstance(op, _Op):
+        raise ValueError(f"unknown reduction {op!r}: use hvd.Average, Sum, Min, Max or Product")
+    return op
+
+
+def _scale(tensor, factor, which):
+    if factor == 1.0:
+        return
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"{which} applies to floating-point tensors, not {tensor.dtype}")
+    with _torch.no_grad():
+        tensor.mul_(factor)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0):
+    """Reduces ``tensor`` across all ranks in place (default: the average) and returns it."""
+    op = _op_of(average, op)
+    _scale(tensor, prescale_factor, "prescale_factor")
+    _in_place(tensor, lambda a, n, d: _hvd.allreduce_(a, n, d, op.name))
+    _scale(tensor, postscale_factor, "postscale_factor")
+    return tensor
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0):
+    """Returns the reduction of ``tensor`` across all ranks (default: the average), sent as
+    ``compression`` says; the input is left as it was."""
+    wire, ctx = compression.compress(_tensor(tensor).detach().clone())
+    out = allreduce_(wire, average=average, name=name, op=op,
+                     prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+def broadcast_(tensor, root_rank, name=None):
+    """Copies ``tensor`` from ``root_rank`` to every rank, in place, and returns it."""
+    return _in_place(tensor, lambda a, n, d: _hvd.broadcast_(a, n, d, root_rank))
+
+
+def broadcast(tensor, root_rank, name=None):
+    """Returns ``root_rank``'s ``tensor`` on every rank; the input is left as it was."""
+    return broadcast_(_tensor(tensor).detach().clone(), root_rank, name=name)
+
+
+def broadcast_parameters(params, root_rank):
+    """Copies parameters (a ``state_dict()`` or ``named_parameters()``) from ``root_rank``
+    to every rank, in place."""
+    items = sorted(params.items()) if isinstance(params, dict) else list(params)
+    for _, p in items:
+        if isinstance(p, _torch.Tensor):
+            with _torch.no_grad():
+                broadcast_(p.data if p.requires_grad else p, root_rank)
+
+
+def barrier():
+    """Waits until every rank has called it."""
+    _hvd.barrier()
+
+
+# Asynchronous ops: the background engine matches them across ranks by name and fuses
+# allreduces that are ready together. A handle is an int, as in Horovod.
+_handles = {}
+_next_handle = [0]
+_unnamed = {}
+
+
+def _name(kind, name):
+    """``name``, or the next generated one: every rank submits its unnamed ops of a kind in
+    the same order, so the generated names match."""
+    if name is not None:
+        return str(name)
+    _unnamed[kind] = _unnamed.get(kind, 0) + 1
+    return f"{kind}.noname.{_unnamed[kind]}"
+
+
+def _submit(tensor, submit, finish):
+    """Lends ``tensor``'s memory to ``submit(address, count, dtype, owner)`` (a contiguous
+    CPU copy when it is not one itself) and returns the handle; ``finish(tensor)`` runs when
+    it is waited for."""
+    _tensor(tensor)
+    direct = tensor.device.type == "cpu" and tensor.is_contiguous()
+    work = tensor if direct else tensor.detach().to("cpu").contiguous()
+    native = submit(work.data_ptr(), work.numel(), _dtype_name(work), work)
+    _next_handle[0] += 1
+    h = _next_handle[0]
+    _handles[h] = (native, tensor, work, direct, finish)
+    return h
+
+
+def poll(handle):
+    """Whether the op of ``handle`` has finished; never blocks."""
+    if handle not in _handles:
+        raise ValueError(f"unknown handle {handle}: already synchronized, or never returned")
+    return _handles[handle][0].poll()
+
+
+def synchronize(handle):
+    """Waits for the op of ``handle`` and returns its output tensor."""
+    try:
+        native, tensor, work, direct, finish = _handles.pop(handle)
+    except KeyError:
+        raise ValueError(f"unknown handle {handle}: already synchronized, or never returned")
+    native.wait()
+    if not direct:
+        with _torch.no_grad():
+            tensor.copy_(work)
+    finish(tensor)
+    return tensor
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0):
+    """Starts reducing ``tensor`` across all ranks in place; returns a handle for
+    ``synchronize``/``poll``. The tensor must not be used until then."""
+    op = _op_of(average, op)
+    _scale(tensor, prescale_factor, "prescale_factor")
+    name = _name("allreduce", name)
+    return _submit(
+        tensor,
+        lambda a, n, d, owner: _hvd.allreduce_async_(a, n, d, op.name, name, owner),
+        lambda t: _scale(t, postscale_factor, "postscale_factor"))
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0):
+    """Starts reducing a copy of ``tensor``; ``synchronize`` returns the result."""
+    return allreduce_async_(_tensor(tensor).detach().clone(), average=average, name=name,
+                            op=op, prescale_factor=prescale_factor,
+                            postscale_factor=postscale_factor)
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """Returns ``root_rank``'s ``obj`` (any picklable object) on every rank."""
+    import io
+    import pickle
+
+    if rank() == root_rank:
+        payload = torch_bytes(pickle.dumps(obj))
+        length = _torch.tensor([payload.numel()], dtype=_torch.int64)
+    else:
+        length = _torch.zeros(1, dtype=_torch.int64)
+    broadcast_(length, root_rank)
+    if rank() != root_rank:
+        payload = _torch.zeros(int(length.item()), dtype=_torch.uint8)
+    broadcast_(payload, root_rank)
+    return pickle.load(io.BytesIO(payload.numpy().tobytes()))
+
+
+def torch_bytes(b):
+    """``b`` as a uint8 tensor."""
+    return _torch.frombuffer(bytearray(b), dtype=_torch.uint8)
+
+
+def broadcast_optimizer_state(optimizer, root_rank):
+    """Copies ``optimizer``'s state (and hyperparameters) from ``root_rank`` to every rank."""
+    state = broadcast_object(optimizer.state_dict(), root_rank)
+    if rank() != root_rank:
+        optimizer.load_state_dict(state)
+
+
+def broadcast_async_(tensor, root_rank, name=None):
+    """Starts copying ``tensor`` from ``root_rank`` to every rank, in place."""
+    name = _name("broadcast", name)
+    return _submit(
+        tensor,
+        lambda a, n, d, owner: _hvd.broadcast_async_(a, n, d, root_rank, name, owner),
+        lambda t: None)
+
+
+def broadcast_async(tensor, root_rank, name=None):
+    """Starts broadcasting a copy of ``tensor``; ``synchronize`` returns the result."""
+    return broadcast_async_(_tensor(tensor).detach().clone(), root_rank, name=name)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0):
+    """Starts reducing every tensor of ``tensors`` in place, as one fused op; returns one
+    handle per tensor, in a list."""
+    base = _name("grouped_allreduce", name)
+    return [allreduce_async_(t, average=average, name=f"{base}.{i}", op=op,
+                             prescale_factor=prescale_factor,
+                             postscale_factor=postscale_factor)
+            for i, t in enumerate(tensors)]
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0):
+    """Reduces every tensor of ``tensors`` in place, fused; returns them."""
+    handles = grouped_allreduce_async_(tensors, average=average, name=name, op=op,
+                                       prescale_factor=prescale_factor,
+                                       postscale_factor=postscale_factor)
+    return [synchronize(h) for h in handles]
+
+
+def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0):
+    """Returns the reductions of ``tensors``, fused; the inputs are left as they were."""
+    return grouped_allreduce_([_tensor(t).detach().clone() for t in tensors],
+                              average=average, name=name, op=op,
+                              prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor)
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0):
+    """Starts reducing copies of ``tensors``; returns their handles."""
+    return grouped_allreduce_async_([_tensor(t).detach().clone() for t in tensors],
+                                    average=average, name=name, op=op,
+                                    prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor)
+
+
+__all__ = [
+    "Compression", "broadcast_object", "broadcast_optimizer_state",
+    "allreduce_async", "allreduce_async_", "broadcast_async", "broadcast_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "poll", "synchronize",
+    "Adasum", "Average", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
+    "Product", "Sum", "allreduce", "allreduce_", "barrier", "broadcast", "broadcast_",
+    "broadcast_parameters", "cross_rank", "cross_size", "gloo_built", "init",
+    "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built",
+    "mpi_enabled", "nccl_built", "rank", "shutdown", "size",
+]

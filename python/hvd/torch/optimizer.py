@@ -1,0 +1,162 @@
+"""``DistributedOptimizer``: Horovod's wrapper that averages gradients across ranks.
+
+Each gradient is submitted to the background engine the moment autograd has accumulated it
+(``Tensor.register_post_accumulate_grad_hook``), so communication overlaps the rest of the
+backward pass and the engine fuses what is ready together; ``step()`` waits for them.
+"""
+
+import contextlib
+import os
+import warnings
+
+import torch
+
+from hvd.torch import compression as _compression
+from hvd.torch import ops as _ops
+
+
+class _DistributedOptimizer:
+    """Methods mixed into a subclass of the user's optimizer class."""
+
+    def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor):
+        if op is _ops.Adasum:
+            raise NotImplementedError(
+                "DistributedOptimizer(op=hvd.Adasum) is not supported yet: use hvd.Average")
+        if op not in (_ops.Average, _ops.Sum):
+            raise ValueError(f"DistributedOptimizer reduces with hvd.Average or hvd.Sum, not {op!r}")
+        if gradient_predivide_factor != 1.0 and op is not _ops.Average:
+            raise ValueError("gradient_predivide_factor applies only with op=hvd.Average")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be at least 1, not "
+                             f"{backward_passes_per_step}")
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(n, tuple) or len(n) != 2 for n in named):
+                raise ValueError("named_parameters must be (name, parameter) pairs, as "
+                                 "model.named_parameters() gives")
+            names = [n for n, _ in named]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"parameter names must be unique; repeated: {dupes}")
+            by_param = {id(p): n for n, p in named}
+            missing = [i for i, p in enumerate(params) if id(p) not in by_param]
+            if missing:
+                raise ValueError(f"named_parameters does not name {len(missing)} parameter(s) "
+                                 f"of the optimizer (positions {missing[:8]})")
+        else:
+            by_param = {id(p): f"allreduce.noname.{i}.{j}"
+                        for i, group in enumerate(self.param_groups)
+                        for j, p in enumerate(group["params"])}
+        self._hvd_names = by_param
+        self._hvd_compression = compression
+        self._hvd_passes = backward_passes_per_step
+        self._hvd_op = op
+        self._hvd_gpf = gradient_predivide_factor
+        self._hvd_delay = {id(p): backward_passes_per_step for p in params}
+        self._hvd_pending = {}
+        self._hvd_synchronized = False
+        self._hvd_skip = False
+        self._hvd_hooks = []
+        if _ops.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
+            for p in params:
+                if p.requires_grad:
+                    self._hvd_hooks.append(p.register_post_accumulate_grad_hook(self._hvd_hook))
+
+    def _hvd_hook(self, p):
+        key = id(p)
+        if key in self._hvd_pending:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call "
+                "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+        self._hvd_delay[key] -= 1
+        if self._hvd_delay[key] == 0:
+            self._hvd_pending[key] = (p, self._hvd_submit(p))
+
+    def _hvd_submit(self, p):
+        compressed, ctx = self._hvd_compression.compress(p.grad)
+        if self._hvd_op is _ops.Average:
+            pre, post = 1.0 / self._hvd_gpf, self._hvd_gpf
+        else:
+            pre, post = 1.0, 1.0
+        handle = _ops.allreduce_async_(compressed, name=self._hvd_names[id(p)],
+                                       op=self._hvd_op, prescale_factor=pre,
+                                       postscale_factor=post)
+        return handle, ctx
+
+    def synchronize(self):
+        """Waits for every gradient's allreduce; a parameter whose hook never fired (no
+        gradient this step) is reduced as zeros, so every rank takes part in every name."""
+        if not self._hvd_hooks:
+            self._hvd_synchronized = True
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad or id(p) in self._hvd_pending:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._hvd_pending[id(p)] = (p, self._hvd_submit(p))
+        try:
+            for p, (handle, ctx) in self._hvd_pending.values():
+                out = _ops.synchronize(handle)
+                if out is not p.grad:
+                    with torch.no_grad():
+                        p.grad.copy_(self._hvd_compression.decompress(out, ctx))
+        finally:
+            self._hvd_pending.clear()
+            for key in self._hvd_delay:
+                self._hvd_delay[key] = self._hvd_passes
+        self._hvd_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """A ``step()`` inside it does not synchronize: for a ``synchronize()`` called
+        earlier (to clip gradients, say)."""
+        self._hvd_skip = True
+        try:
+            yield
+        finally:
+            self._hvd_skip = False
+
+    def step(self, closure=None):
+        if not self._hvd_skip:
+            if self._hvd_synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): the gradients are reduced again. "
+                              "Use `with optimizer.skip_synchronize():` around step().")
+            self.synchronize()
+        self._hvd_synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._hvd_pending:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                "cause a race condition.")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None,
+                         compression=_compression.Compression.none,
+                         backward_passes_per_step=1, op=_ops.Average,
+                         gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                         process_set=None):
+    """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over every rank.
+
+    As in Horovod, the result is an instance of a subclass of the optimizer's class, built
+    from its parameter groups (its state starts empty).
+    """
+    if groups is not None:
+        raise NotImplementedError("DistributedOptimizer(groups=...) is not supported yet")
+    if process_set is not None:
+        raise NotImplementedError("DistributedOptimizer(process_set=...) is not supported yet")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    opt = cls.__new__(cls)
+    optimizer.__class__.__init__(opt, optimizer.param_groups)
+    opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor)
+    return opt
