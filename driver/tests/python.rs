@@ -7,9 +7,14 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
+
+use nix::sys::signal::Signal;
+use support::{Job, check_counter, scratch, signal, steps_rerun};
 
 /// The repository's root.
 fn root() -> PathBuf {
@@ -152,4 +157,61 @@ fn a_script_run_without_horovodrun_is_a_world_of_one() {
         stdout.contains("collectives ok: rank 0 of 1,"),
         "{stdout}\n{stderr}"
     );
+}
+
+const TRAIN: &[&str] = &["--steps", "150", "--commit-every", "5", "--step-ms", "20"];
+
+/// `python/tests/elastic_train.py` as an elastic job over `hosts` (what discovery prints).
+fn elastic_job(name: &str, hosts: &[&str], flags: &[&str]) -> Job {
+    let dir = scratch(name);
+    std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n").expect("hosts");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+    cmd.args(flags)
+        .args(["--host-discovery-script"])
+        .arg(dir.join("discover.sh"))
+        .args(["--discovery-interval", "0.2"])
+        .arg(python())
+        .arg(root().join("python/tests/elastic_train.py"))
+        .args(TRAIN);
+    Job::spawn(dir, cmd)
+}
+
+#[test]
+fn an_elastic_torch_job_survives_a_killed_worker_without_losing_a_step() {
+    let hosts = ["127.0.0.2:2", "127.0.0.3:2"];
+    let mut job = elastic_job("py-kill", &hosts, &["-np", "4", "--min-np", "2"]);
+    job.wait_step(15, 4);
+    signal(job.pid_of_rank(3), Signal::SIGKILL);
+    job.wait_step(1, 2);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    // Every committed step applied once: total == sum of sizes, and the model's weight
+    // (one SGD step per training step) is exactly -steps on every rank.
+    assert_eq!(check_counter(&lines, 150), 2);
+    for d in lines.iter().filter(|l| l.v["event"] == "done") {
+        assert_eq!(d.v["weight"], -150.0, "{}", d.v);
+        assert_eq!(d.v["resets"], 1, "the reset callbacks ran once: {}", d.v);
+    }
+    // A survivor re-runs at most the steps since its last commit (every 5 steps).
+    let rerun = steps_rerun(&lines);
+    assert!(rerun <= 2 * 5, "{rerun} steps re-run by 2 survivors");
+}
+
+#[test]
+fn an_elastic_torch_job_grows_when_a_host_is_added() {
+    let mut job = elastic_job(
+        "py-add",
+        &["127.0.0.2:2"],
+        &["-np", "2", "--min-np", "2", "--max-np", "4"],
+    );
+    job.wait_step(15, 2);
+    job.set_hosts(&["127.0.0.2:2", "127.0.0.3:2"]);
+    job.wait_step(1, 4);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 150), 4);
+    for d in lines.iter().filter(|l| l.v["event"] == "done") {
+        assert_eq!(d.v["weight"], -150.0, "{}", d.v);
+    }
+    assert_eq!(steps_rerun(&lines), 0, "a host change rolls nothing back");
 }

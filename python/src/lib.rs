@@ -288,6 +288,50 @@ fn broadcast_async_(
     })
 }
 
+/// Leaves the current round and joins the driver's next one (elastic jobs), stopping the
+/// background engine of the old round first. Returns `None`, or the driver's reason when it
+/// has no place for this worker any more (which then exits 0).
+#[pyfunction]
+fn rejoin(py: Python<'_>, reason: &str) -> PyResult<Option<String>> {
+    let joined = py.detach(|| stop_engine().and_then(|()| hvd::elastic::steps::rejoin(reason)));
+    match joined {
+        Ok(()) => Ok(None),
+        Err(Error::Removed { reason }) => Ok(Some(reason)),
+        Err(e) => Err(raise(e)),
+    }
+}
+
+/// The elastic round this worker is in (0 outside an elastic job).
+#[pyfunction]
+fn generation() -> u64 {
+    hvd::elastic::steps::generation()
+}
+
+/// Tells the driver this worker holds the newest committed state.
+#[pyfunction]
+fn report_synced() {
+    hvd::elastic::steps::report_synced();
+}
+
+/// The newest host update the current round accounts for.
+#[pyfunction]
+fn updates_through() -> u64 {
+    hvd::elastic::steps::updates_through()
+}
+
+/// The highest host-update id the driver has announced to this worker.
+#[pyfunction]
+fn latest_update() -> u64 {
+    hvd::elastic::steps::latest_update()
+}
+
+/// Rebuilds the previous round's process sets for the current one.
+#[pyfunction]
+fn restore_process_sets(py: Python<'_>) -> PyResult<()> {
+    py.detach(hvd::elastic::steps::restore_process_sets)
+        .map_err(raise)
+}
+
 /// Waits until every rank has called it.
 #[pyfunction]
 fn barrier(py: Python<'_>) -> PyResult<()> {
@@ -307,6 +351,16 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(allreduce_async_, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_async_, m)?)?;
     m.add_class::<AsyncHandle>()?;
+    for f in [
+        wrap_pyfunction!(rejoin, m)?,
+        wrap_pyfunction!(generation, m)?,
+        wrap_pyfunction!(report_synced, m)?,
+        wrap_pyfunction!(updates_through, m)?,
+        wrap_pyfunction!(latest_update, m)?,
+        wrap_pyfunction!(restore_process_sets, m)?,
+    ] {
+        m.add_function(f)?;
+    }
     m.add(
         "HorovodInternalError",
         m.py().get_type::<HorovodInternalError>(),

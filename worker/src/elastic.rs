@@ -301,6 +301,49 @@ pub fn run<S: Syncable, R>(
     }
 }
 
+/// The steps of [`run`], for bindings whose state lives elsewhere (the Python package keeps
+/// PyTorch objects, synchronized with its own broadcasts, and runs the same loop over these).
+pub mod steps {
+    use crate::Result;
+
+    /// Leaves the current communicator and joins the driver's next round, saying why.
+    ///
+    /// # Errors
+    /// [`crate::Error::Removed`] when the driver has no place for this worker any more; a
+    /// recoverable error when a peer died while the new round connected (join again).
+    pub fn rejoin(reason: &str) -> Result<()> {
+        crate::rejoin(reason)
+    }
+
+    /// The round this worker is in (0 before its first, 1 for the job's first).
+    pub fn generation() -> u64 {
+        crate::generation()
+    }
+
+    /// Tells the driver this worker holds the newest committed state of its round.
+    pub fn report_synced() {
+        crate::report_synced();
+    }
+
+    /// The newest host update the current round accounts for.
+    pub fn updates_through() -> u64 {
+        crate::updates_through()
+    }
+
+    /// The highest host-update id the driver has announced to this worker (0: none).
+    pub fn latest_update() -> u64 {
+        crate::latest_update()
+    }
+
+    /// Rebuilds the process sets of the previous round for the current one.
+    ///
+    /// # Errors
+    /// A collective error.
+    pub fn restore_process_sets() -> Result<()> {
+        crate::process_set::restore()
+    }
+}
+
 /// A deterministic partition of an epoch's samples over the current world that survives
 /// resizes: after one, the samples of the epoch not yet processed are split anew, so none is
 /// repeated and none skipped. Keep it in the synchronized state.

@@ -9,5 +9,6 @@ from hvd.torch.compression import Compression
 from hvd.torch.ops import *  # noqa: F401,F403 (the API, as ``ops.__all__`` lists it)
 from hvd.torch.ops import __all__ as _ops_all
 from hvd.torch.optimizer import DistributedOptimizer
+from hvd.torch import elastic
 
-__all__ = sorted(set(_ops_all) | {"Compression", "DistributedOptimizer"})
+__all__ = sorted(set(_ops_all) | {"Compression", "DistributedOptimizer", "elastic"})

@@ -110,6 +110,13 @@ class _DistributedOptimizer:
                 self._hvd_delay[key] = self._hvd_passes
         self._hvd_synchronized = True
 
+    def _hvd_reset(self):
+        """Forgets the reductions of a round that failed (elastic resets)."""
+        self._hvd_pending.clear()
+        for key in self._hvd_delay:
+            self._hvd_delay[key] = self._hvd_passes
+        self._hvd_synchronized = False
+
     @contextlib.contextmanager
     def skip_synchronize(self):
         """A ``step()`` inside it does not synchronize: for a ``synchronize()`` called
@@ -153,8 +160,9 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         raise NotImplementedError("DistributedOptimizer(groups=...) is not supported yet")
     if process_set is not None:
         raise NotImplementedError("DistributedOptimizer(process_set=...) is not supported yet")
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               dict(_DistributedOptimizer.__dict__))
+    methods = {k: v for k, v in _DistributedOptimizer.__dict__.items()
+               if k not in ("__dict__", "__weakref__")}
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     opt = cls.__new__(cls)
     optimizer.__class__.__init__(opt, optimizer.param_groups)
     opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,

@@ -1,0 +1,95 @@
+"""An elastic PyTorch job that proves no committed step is lost or applied twice, for the
+tests: the ``elastic_counter`` events (JSON lines: start, reset, step, commit, done) from a
+``TorchState`` holding a model trained by a ``DistributedOptimizer``, an ``ElasticSampler``
+and the counter.
+
+Each step allreduces ones (the world's size) into ``total`` and appends the size to
+``history``; the model's one weight gets gradient 1 on every rank, so plain SGD with
+learning rate 1 takes it to exactly ``-step``. At the end ``total`` equals the sum of
+``history`` and the weight equals ``-steps``.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import hvd.torch as hvd
+
+
+def emit(event):
+    print(json.dumps(event), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--commit-every", type=int, default=5)
+    p.add_argument("--step-ms", type=float, default=10)
+    args = p.parse_args()
+    emit({"event": "start", "horovod": {k: os.environ.get("HOROVOD_" + k.upper()) for k in
+                                        ("rank", "size", "local_rank", "hostname")}})
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters())
+    dataset = list(range(64))
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=7)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, step=0,
+                                   total=0, history=[])
+    calls = [0]
+    resets = [0]
+    state.register_reset_callbacks([lambda: resets.__setitem__(0, resets[0] + 1)])
+
+    @hvd.elastic.run
+    def train(state):
+        calls[0] += 1
+        rank, size = hvd.rank(), hvd.size()
+        if calls[0] > 1:
+            emit({"event": "reset", "step": state.step, "rank": rank, "size": size})
+        while state.step < args.steps:
+            ones = hvd.allreduce(torch.ones(16, dtype=torch.int64), op=hvd.Sum)
+            if not torch.all(ones == size):
+                raise SystemExit(f"rank {rank}: allreduce of ones gave {ones.tolist()} in a "
+                                 f"world of {size}")
+            # Every rank takes the next batch of its part of the epoch.
+            indices = list(state.sampler)[:2]
+            state.sampler.record_indices(indices)
+            if state.sampler.processed_num >= len(dataset):
+                state.sampler.set_epoch(state.sampler.epoch + 1)
+            opt.zero_grad()
+            model(torch.ones(1, 1)).sum().backward()
+            opt.step()
+            state.total += size
+            state.history.append(size)
+            state.step += 1
+            emit({"event": "step", "step": state.step, "rank": rank, "size": size,
+                  "total": state.total})
+            if state.step % args.commit_every == 0:
+                state.commit()
+                emit({"event": "commit", "step": state.step, "rank": rank})
+            else:
+                state.check_host_updates()
+            time.sleep(args.step_ms / 1000)
+        return rank, size
+
+    rank, size = train(state)
+    history_sum = sum(state.history)
+    weight = model.weight.item()
+    if state.total != history_sum or len(state.history) != args.steps or weight != -args.steps:
+        raise SystemExit(f"rank {rank}: total {state.total}, history sums to {history_sum} over "
+                         f"{len(state.history)} steps, weight {weight} (expected "
+                         f"{-args.steps})")
+    emit({"event": "done", "rank": rank, "size": size, "steps": args.steps,
+          "total": state.total, "history_sum": history_sum, "weight": weight,
+          "resets": resets[0]})
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
