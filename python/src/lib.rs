@@ -15,7 +15,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use memory::{Borrowed, DType, Lent, Region};
+use memory::{Borrowed, DType, GatherError, Lent, Region};
 
 create_exception!(
     _hvd,
@@ -332,6 +332,53 @@ fn restore_process_sets(py: Python<'_>) -> PyResult<()> {
         .map_err(raise)
 }
 
+fn gather_error(e: GatherError) -> PyErr {
+    match e {
+        GatherError::Hvd(e) => raise(e),
+        GatherError::Shape(why) => PyRuntimeError::new_err(why),
+    }
+}
+
+/// Gathers every rank's rows (`row_len` elements each) of the input region into the output
+/// region, which Python sized for all of them.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn allgather_into(
+    py: Python<'_>,
+    address: usize,
+    count: usize,
+    dtype: &str,
+    row_len: usize,
+    out_address: usize,
+    out_count: usize,
+) -> PyResult<()> {
+    let dtype = DType::parse(dtype)?;
+    let input = Region::new(address, count, dtype)?;
+    let out = Region::new(out_address, out_count, dtype)?;
+    py.detach(|| input.allgather_into(row_len, &out))
+        .map_err(gather_error)
+}
+
+/// Sends `splits[p]` elements of the input region to rank `p`, receiving into the output
+/// region (sized by Python for what arrives); returns the counts received from each rank.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn alltoall_into(
+    py: Python<'_>,
+    address: usize,
+    count: usize,
+    dtype: &str,
+    splits: Vec<usize>,
+    out_address: usize,
+    out_count: usize,
+) -> PyResult<Vec<usize>> {
+    let dtype = DType::parse(dtype)?;
+    let input = Region::new(address, count, dtype)?;
+    let out = Region::new(out_address, out_count, dtype)?;
+    py.detach(|| input.alltoall_into(&splits, &out))
+        .map_err(gather_error)
+}
+
 /// Waits until every rank has called it.
 #[pyfunction]
 fn barrier(py: Python<'_>) -> PyResult<()> {
@@ -352,6 +399,8 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(broadcast_async_, m)?)?;
     m.add_class::<AsyncHandle>()?;
     for f in [
+        wrap_pyfunction!(allgather_into, m)?,
+        wrap_pyfunction!(alltoall_into, m)?,
         wrap_pyfunction!(rejoin, m)?,
         wrap_pyfunction!(generation, m)?,
         wrap_pyfunction!(report_synced, m)?,

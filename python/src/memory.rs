@@ -236,3 +236,121 @@ impl Region {
         }
     }
 }
+
+/// Why a gather into a tensor Python allocated failed.
+#[derive(Debug)]
+pub enum GatherError {
+    /// The collective failed.
+    Hvd(hvd::Error),
+    /// The two regions disagree (dtype, or the output's size against what arrived).
+    Shape(String),
+}
+
+impl From<hvd::Error> for GatherError {
+    fn from(e: hvd::Error) -> Self {
+        Self::Hvd(e)
+    }
+}
+
+/// The region as a shared slice of `T`.
+///
+/// # Safety
+/// `T` is the region's element type (checked by the callers' dispatch on `dtype`).
+unsafe fn shared<'a, T>(r: &Region) -> &'a [T] {
+    if r.count == 0 {
+        return &[];
+    }
+    // SAFETY: as in `Region::with_mut`; the caller matched `T` to the region's dtype.
+    unsafe { std::slice::from_raw_parts(r.address as *const T, r.count) }
+}
+
+/// The region as a mutable slice of `T`.
+///
+/// # Safety
+/// As [`shared`], and no other slice of the region is alive.
+unsafe fn exclusive<'a, T>(r: &Region) -> &'a mut [T] {
+    if r.count == 0 {
+        return &mut [];
+    }
+    // SAFETY: as in `Region::with_mut`; the caller matched `T` to the region's dtype and
+    // holds no other slice of it.
+    unsafe { std::slice::from_raw_parts_mut(r.address as *mut T, r.count) }
+}
+
+fn copy_into<T: Copy>(got: &[T], out: &mut [T], what: &str) -> Result<(), GatherError> {
+    if got.len() != out.len() {
+        return Err(GatherError::Shape(format!(
+            "{what} gave {} elements where {} were expected: the ranks' shapes disagree",
+            got.len(),
+            out.len()
+        )));
+    }
+    out.copy_from_slice(got);
+    Ok(())
+}
+
+/// Dispatches `$f::<T>($args)` on the region's element type.
+macro_rules! typed {
+    ($dtype:expr, $f:ident($($args:expr),*)) => {
+        match $dtype {
+            DType::U8 => $f::<u8>($($args),*),
+            DType::I32 => $f::<i32>($($args),*),
+            DType::I64 => $f::<i64>($($args),*),
+            DType::F16 => $f::<f16>($($args),*),
+            DType::BF16 => $f::<bf16>($($args),*),
+            DType::F32 => $f::<f32>($($args),*),
+            DType::F64 => $f::<f64>($($args),*),
+        }
+    };
+}
+
+fn allgather_typed<T: hvd::Element>(
+    input: &Region,
+    row_len: usize,
+    out: &Region,
+) -> Result<(), GatherError> {
+    // SAFETY: `typed!` picked `T` from the input's dtype, which `allgather_into` checked the
+    // output shares; the input and output are distinct tensors.
+    let (i, o) = unsafe { (shared::<T>(input), exclusive::<T>(out)) };
+    let got = hvd::allgather(i, row_len)?;
+    copy_into(&got, o, "allgather")
+}
+
+fn alltoall_typed<T: hvd::Element>(
+    input: &Region,
+    splits: &[usize],
+    out: &Region,
+) -> Result<Vec<usize>, GatherError> {
+    // SAFETY: as in `allgather_typed`.
+    let (i, o) = unsafe { (shared::<T>(input), exclusive::<T>(out)) };
+    let (got, received) = hvd::alltoall(i, splits)?;
+    copy_into(&got, o, "alltoall")?;
+    Ok(received)
+}
+
+fn same_dtype(input: &Region, out: &Region) -> Result<(), GatherError> {
+    if input.dtype == out.dtype {
+        Ok(())
+    } else {
+        Err(GatherError::Shape(format!(
+            "input of {:?} but output of {:?}",
+            input.dtype, out.dtype
+        )))
+    }
+}
+
+impl Region {
+    /// Gathers every rank's rows (of `row_len` elements) of this region into `out`, which
+    /// holds exactly their sum.
+    pub fn allgather_into(&self, row_len: usize, out: &Region) -> Result<(), GatherError> {
+        same_dtype(self, out)?;
+        typed!(self.dtype, allgather_typed(self, row_len, out))
+    }
+
+    /// Sends `splits[p]` elements of this region to rank `p` and receives into `out`, which
+    /// holds exactly what arrives; returns how many came from each rank.
+    pub fn alltoall_into(&self, splits: &[usize], out: &Region) -> Result<Vec<usize>, GatherError> {
+        same_dtype(self, out)?;
+        typed!(self.dtype, alltoall_typed(self, splits, out))
+    }
+}

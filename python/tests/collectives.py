@@ -137,6 +137,39 @@ def main():
             raise AssertionError("a length mismatch between ranks went through")
         assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
 
+    # allgather: first dimensions that differ per rank, every dtype.
+    for dtype in DTYPES:
+        case += 1
+        parts = [data(p, case, 3 * (p + 1), dtype).reshape(p + 1, 3) for p in range(n)]
+        got = hvd.allgather(parts[r])
+        assert torch.equal(got, torch.cat(parts)), (dtype, got.shape)
+        cases += 1
+    assert hvd.allgather_object({"rank": r}) == [{"rank": p} for p in range(n)]
+    # alltoall: rank p sends (p + q) % 3 rows to rank q.
+    for dtype in (torch.int64, torch.float32, torch.bfloat16):
+        case += 1
+        sends = {p: [(p + q) % 3 for q in range(n)] for p in range(n)}
+        inputs = {p: data(p, case, 2 * sum(sends[p]), dtype).reshape(-1, 2) for p in range(n)}
+        out, received = hvd.alltoall(inputs[r], splits=sends[r])
+        want = []
+        for p in range(n):
+            start = sum(sends[p][:r])
+            want.append(inputs[p][start:start + sends[p][r]])
+        assert torch.equal(out, torch.cat(want)), (dtype, out, want)
+        assert received.tolist() == [sends[p][r] for p in range(n)]
+        cases += 1
+    even, _ = hvd.alltoall(torch.arange(2 * n, dtype=torch.int32) + 100 * r)
+    assert even.tolist() == [100 * p + 2 * r + k for p in range(n) for k in range(2)], even
+    # reducescatter: this rank's rows of the sum; the first rows % n ranks get one more.
+    x = torch.arange(5 * (n + 1), dtype=torch.float64).reshape(-1, 5) * (r + 1)
+    mine = hvd.reducescatter(x, op=hvd.Sum)
+    total = torch.arange(5 * (n + 1), dtype=torch.float64).reshape(-1, 5) * tri
+    rows = n + 1
+    base, extra = divmod(rows, n)
+    start = r * base + min(r, extra)
+    assert torch.equal(mine, total[start:start + base + (1 if r < extra else 0)]), mine
+    cases += 1
+
     # Asynchronous ops through the background engine: many in flight at once, fused.
     case += 1
     tensors = {dt: [data(p, case + k, 500 + 37 * k, dt) for p in range(n)]

@@ -268,6 +268,106 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                             postscale_factor=postscale_factor)
 
 
+def _contiguous_cpu(tensor):
+    _tensor(tensor)
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor
+    return tensor.detach().to("cpu").contiguous()
+
+
+def _rows(t):
+    """``t`` as rows along its first dimension: (rows, elements per row)."""
+    if t.dim() == 0:
+        return 1, 1
+    return t.shape[0], (t[0].numel() if t.shape[0] else int(_prod(t.shape[1:])))
+
+
+def _prod(dims):
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def _gather_counts(count):
+    """Every rank's ``count``, in rank order."""
+    mine = _torch.tensor([count], dtype=_torch.int64)
+    out = _torch.zeros(size(), dtype=_torch.int64)
+    _hvd.allgather_into(mine.data_ptr(), 1, "int64", 1, out.data_ptr(), out.numel())
+    return [int(c) for c in out]
+
+
+def allgather(tensor, name=None):
+    """Concatenates every rank's ``tensor`` along its first dimension, in rank order; the
+    first dimension may differ between ranks, the others may not."""
+    t = _contiguous_cpu(tensor)
+    rows, row_len = _rows(t)
+    if row_len == 0:
+        raise ValueError("allgather of rows with no elements")
+    counts = _gather_counts(rows)
+    shape = (sum(counts),) + tuple(t.shape[1:])
+    out = _torch.empty(shape, dtype=t.dtype)
+    _hvd.allgather_into(t.data_ptr(), t.numel(), _dtype_name(t), row_len, out.data_ptr(),
+                        out.numel())
+    return out.to(tensor.device)
+
+
+def allgather_object(obj, name=None):
+    """Returns every rank's ``obj`` (any picklable object), in rank order."""
+    import pickle
+
+    payload = torch_bytes(pickle.dumps(obj))
+    counts = _gather_counts(payload.numel())
+    out = _torch.empty(sum(counts), dtype=_torch.uint8)
+    _hvd.allgather_into(payload.data_ptr(), payload.numel(), "uint8", 1, out.data_ptr(),
+                        out.numel())
+    objs, at = [], 0
+    for c in counts:
+        objs.append(pickle.loads(out[at:at + c].numpy().tobytes()))
+        at += c
+    return objs
+
+
+def alltoall(tensor, splits=None, name=None):
+    """Sends ``splits[p]`` rows (first-dimension slices) of ``tensor`` to rank ``p`` (equal
+    parts without ``splits``); returns what every rank sent here, in rank order, and how many
+    rows came from each."""
+    t = _contiguous_cpu(tensor)
+    rows, row_len = _rows(t)
+    n = size()
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"alltoall without splits needs a first dimension divisible by "
+                             f"the {n} ranks, not {rows}")
+        splits = [rows // n] * n
+    splits = [int(x) for x in (splits.tolist() if isinstance(splits, _torch.Tensor)
+                               else splits)]
+    if len(splits) != n or any(x < 0 for x in splits) or sum(splits) != rows:
+        raise ValueError(f"alltoall splits {splits} must be {n} non-negative row counts "
+                         f"summing to the first dimension, {rows}")
+    mine = _torch.tensor(splits, dtype=_torch.int64)
+    got = _torch.zeros(n, dtype=_torch.int64)
+    _hvd.alltoall_into(mine.data_ptr(), n, "int64", [1] * n, got.data_ptr(), n)
+    received = [int(x) for x in got]
+    out = _torch.empty((sum(received),) + tuple(t.shape[1:]), dtype=t.dtype)
+    _hvd.alltoall_into(t.data_ptr(), t.numel(), _dtype_name(t), [x * row_len for x in splits],
+                       out.data_ptr(), out.numel())
+    return out.to(tensor.device), _torch.tensor(received, dtype=_torch.int32)
+
+
+def reducescatter(tensor, name=None, op=None):
+    """Reduces ``tensor`` across ranks (default: the average) and returns this rank's slice
+    of the result along the first dimension; the first ``rows % size`` ranks get one row
+    more. (For now through an allreduce of the whole tensor.)"""
+    op = _op_of(None, op)
+    out = allreduce(tensor, op=op, name=name)
+    rows = out.shape[0] if out.dim() else 1
+    n, r = size(), rank()
+    base, extra = divmod(rows, n)
+    start = r * base + min(r, extra)
+    return out[start:start + base + (1 if r < extra else 0)].clone()
+
+
 def broadcast_object(obj, root_rank=0, name=None):
     """Returns ``root_rank``'s ``obj`` (any picklable object) on every rank."""
     import io
@@ -350,6 +450,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 
 __all__ = [
+    "allgather", "allgather_object", "alltoall", "reducescatter",
     "Compression", "broadcast_object", "broadcast_optimizer_state",
     "allreduce_async", "allreduce_async_", "broadcast_async", "broadcast_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
