@@ -1,8 +1,8 @@
 //! `horovodrun --launcher agent` end to end: real `hvd-agent` processes on 127.0.0.2 and
 //! 127.0.0.3 (one free port, the same on both), static and elastic jobs of the example
-//! programs started through them, a worker and a whole agent killed on their host, a worker
-//! frozen (killed through its agent), a wrong secret, an unreachable agent, and a driver that
-//! dies while its agents run its workers.
+//! programs started through them, a worker and a whole agent killed on their host (also while
+//! its workers start, before they register), a worker frozen (killed through its agent), a
+//! wrong secret, an unreachable agent, and a driver that dies while its agents run its workers.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
@@ -424,4 +424,49 @@ fn the_status_endpoint_answers_ipv4_and_ipv6_clients_with_json() {
     }
     let (code, err, _) = job.finish();
     assert_eq!(code, 0, "{err}");
+}
+
+/// Workers whose agent dies while they start (before they register with the driver) live on,
+/// orphaned; the driver counts them as lost, so when they register later they are refused and
+/// exit at once instead of waiting for a round that never includes them.
+#[test]
+fn workers_whose_agent_died_before_they_registered_are_refused_and_exit() {
+    let secret = format!("agent-early-{}", std::process::id());
+    let (mut agents, port) = agents(&["127.0.0.2", "127.0.0.3"], &secret);
+    let dir = scratch("agent-early");
+    std::fs::write(dir.join("hosts"), HOSTS2.join("\n") + "\n").unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+    cmd.args(["--launcher", "agent", "--agent-port", &port.to_string()])
+        .args(["-np", "2", "--max-np", "4", "--discovery-interval", "0.2"])
+        .arg("--host-discovery-script")
+        .arg(dir.join("discover.sh"))
+        // Each worker takes 2 s before it starts and registers.
+        .args([
+            "sh",
+            "-c",
+            "sleep 2; exec \"$0\" \"$@\"",
+            &example("elastic_counter"),
+        ])
+        .args(["--steps", "600", "--commit-every", "5", "--step-ms", "10"])
+        .env(SECRET_VAR, &secret);
+    let mut job = Job::spawn(dir, cmd);
+    job.parents = agents.iter().map(Agent::pid).collect();
+    let dead = agents.pop().unwrap();
+    dead.wait_log("process started", 2);
+    let orphans = children(dead.pid());
+    assert_eq!(orphans.len(), 2, "{}", dead.log());
+    signal(dead.pid() as i32, Signal::SIGKILL);
+    drop(dead);
+    job.wait_step(1, 2);
+    // They woke up and registered, and the driver, done with them, refused them.
+    wait_gone(&orphans, "workers of an agent lost before they registered");
+    let refused = job.wait_stderr("a worker that already ended registered; refused");
+    assert!(refused.contains("host=127.0.0.3"), "{refused}");
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 600), 2);
+    assert!(
+        lines.iter().all(|l| l.v["size"] != 4),
+        "no round included them"
+    );
 }

@@ -118,7 +118,9 @@ struct Driver {
     port: u16,
     own_host: String,
     launcher: Launcher,
+    /// Workers started and not yet ended.
     handles: HashMap<WorkerId, Handle>,
+    /// The host of every worker ever started.
     hosts_of: HashMap<WorkerId, String>,
     regs: HashMap<WorkerId, Registration>,
     /// When each registered worker whose connection is open was last heard from (any
@@ -151,11 +153,22 @@ impl Driver {
         match w {
             Wire::Registered(reg) => {
                 let id = reg.worker;
-                if self.hosts_of.contains_key(&id) {
+                if self.handles.contains_key(&id) {
                     tracing::debug!(worker = id, host = %reg.host, addr = %reg.addr, pid = reg.pid, "worker connected");
                     self.regs.insert(id, reg);
                     self.heard.insert(id, Instant::now());
                     self.feed(Input::Registered(id));
+                } else if self.hosts_of.contains_key(&id) {
+                    // Counted as ended while it was still starting: its agent was lost (it
+                    // lives on, orphaned) or its exit raced its registration. Kept, it would
+                    // wait for a round that never includes it.
+                    tracing::info!(worker = id, host = %reg.host, pid = reg.pid, "a worker that already ended registered; refused");
+                    reg.send(&DriverMsg::Refused {
+                        reason: format!(
+                            "worker {id} has already ended for this job (declared failed, or \
+                             its agent was lost)"
+                        ),
+                    });
                 } else {
                     reg.send(&DriverMsg::Refused {
                         reason: format!("no worker {id} was started by this job"),
