@@ -62,15 +62,17 @@ fn set_up() -> Result<PathBuf, String> {
     let python = bin.join("python");
     let ready = python.exists()
         && Command::new(&python)
-            .args(["-c", "import torch, numpy, maturin"])
+            .args(["-c", "import torch, torchvision, numpy, maturin"])
             .output()
             .is_ok_and(|o| o.status.success());
     if !ready {
         eprintln!("installing torch into {} (first use)", venv.display());
-        run(
-            Command::new("python3").args(["-m", "venv"]).arg(&venv),
-            "creating the virtualenv",
-        )?;
+        if !python.exists() {
+            run(
+                Command::new("python3").args(["-m", "venv"]).arg(&venv),
+                "creating the virtualenv",
+            )?;
+        }
         run(
             Command::new(bin.join("pip"))
                 .args(["install", "--quiet", "--no-deps", "-r"])
@@ -214,4 +216,76 @@ fn an_elastic_torch_job_grows_when_a_host_is_added() {
         assert_eq!(d.v["weight"], -150.0, "{}", d.v);
     }
     assert_eq!(steps_rerun(&lines), 0, "a host change rolls nothing back");
+}
+
+/// The synthetic benchmark's JSON summary line from `out`.
+fn summary(out: &str) -> serde_json::Value {
+    let line = out
+        .lines()
+        .filter_map(|l| l.split_once('{').map(|(_, rest)| format!("{{{rest}")))
+        .find(|l| l.contains("\"img_sec_total\""))
+        .unwrap_or_else(|| panic!("no summary line in:\n{out}"));
+    serde_json::from_str(&line).expect("the summary is JSON")
+}
+
+const BENCH: &[&str] = &[
+    "--model",
+    "resnet18",
+    "--image-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--num-warmup-batches",
+    "1",
+    "--num-batches-per-iter",
+    "1",
+    "--num-iters",
+    "2",
+];
+
+#[test]
+fn the_synthetic_benchmark_runs_under_hvd_and_under_ddp() {
+    let script = root().join("examples/python/pytorch_synthetic_benchmark.py");
+    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args(["-np", "2", "-H", "127.0.0.1:2"])
+        .arg(python())
+        .arg(&script)
+        .args(BENCH)
+        .output()
+        .expect("horovodrun");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s = summary(&text);
+    assert_eq!(
+        (s["system"].as_str(), s["ranks"].as_u64()),
+        (Some("hvd"), Some(2)),
+        "{s}"
+    );
+    assert!(s["img_sec_total"].as_f64().is_some_and(|r| r > 0.0), "{s}");
+    // The same script under torchrun, on a free port of its own.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let out = Command::new(python())
+        .args(["-m", "torch.distributed.run", "--nproc_per_node", "2"])
+        .arg(format!("--master_port={port}"))
+        .arg(&script)
+        .arg("--ddp")
+        .args(BENCH)
+        .output()
+        .expect("torchrun");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s = summary(&text);
+    assert_eq!(s["system"], "DDP over Gloo", "{s}");
+    assert_eq!(s["ranks"], 2, "{s}");
 }
