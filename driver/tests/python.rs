@@ -218,13 +218,20 @@ fn an_elastic_torch_job_grows_when_a_host_is_added() {
     assert_eq!(steps_rerun(&lines), 0, "a host change rolls nothing back");
 }
 
-/// The synthetic benchmark's JSON summary line from `out`.
-fn summary(out: &str) -> serde_json::Value {
-    let line = out
+/// Runs `cmd` (the synthetic benchmark) to success and returns its JSON summary line.
+fn summary(cmd: &mut Command) -> serde_json::Value {
+    let out = cmd.output().expect("the benchmark runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = text
         .lines()
         .filter_map(|l| l.split_once('{').map(|(_, rest)| format!("{{{rest}")))
         .find(|l| l.contains("\"img_sec_total\""))
-        .unwrap_or_else(|| panic!("no summary line in:\n{out}"));
+        .unwrap_or_else(|| panic!("no summary line in:\n{text}"));
     serde_json::from_str(&line).expect("the summary is JSON")
 }
 
@@ -246,20 +253,13 @@ const BENCH: &[&str] = &[
 #[test]
 fn the_synthetic_benchmark_runs_under_hvd_and_under_ddp() {
     let script = root().join("examples/python/pytorch_synthetic_benchmark.py");
-    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
-        .args(["-np", "2", "-H", "127.0.0.1:2"])
-        .arg(python())
-        .arg(&script)
-        .args(BENCH)
-        .output()
-        .expect("horovodrun");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let s = summary(
+        Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+            .args(["-np", "2", "-H", "127.0.0.1:2"])
+            .arg(python())
+            .arg(&script)
+            .args(BENCH),
     );
-    let s = summary(&text);
     assert_eq!(
         (s["system"].as_str(), s["ranks"].as_u64()),
         (Some("hvd"), Some(2)),
@@ -271,21 +271,14 @@ fn the_synthetic_benchmark_runs_under_hvd_and_under_ddp() {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port");
-    let out = Command::new(python())
-        .args(["-m", "torch.distributed.run", "--nproc_per_node", "2"])
-        .arg(format!("--master_port={port}"))
-        .arg(&script)
-        .arg("--ddp")
-        .args(BENCH)
-        .output()
-        .expect("torchrun");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let s = summary(
+        Command::new(python())
+            .args(["-m", "torch.distributed.run", "--nproc_per_node", "2"])
+            .arg(format!("--master_port={port}"))
+            .arg(&script)
+            .arg("--ddp")
+            .args(BENCH),
     );
-    let s = summary(&text);
     assert_eq!(s["system"], "DDP over Gloo", "{s}");
     assert_eq!(s["ranks"], 2, "{s}");
 }
