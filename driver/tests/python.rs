@@ -282,3 +282,25 @@ fn the_synthetic_benchmark_runs_under_hvd_and_under_ddp() {
     assert_eq!(s["system"], "DDP over Gloo", "{s}");
     assert_eq!(s["ranks"], 2, "{s}");
 }
+
+#[test]
+fn the_latency_example_reports_its_calls() {
+    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args(["-np", "2", "-H", "127.0.0.1:2"])
+        .arg(python())
+        .arg(root().join("examples/python/allreduce_latency.py"))
+        .args(["--iters", "50", "--warmup", "5"])
+        .output()
+        .expect("horovodrun");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("hvd.allreduce_ of 4 B from Python on 2 ranks: mean ")
+            && text.contains("over 50 calls"),
+        "{text}"
+    );
+}
