@@ -144,6 +144,11 @@ fn the_distributed_optimizer_trains_as_one_process_on_the_union_of_the_batches()
 }
 
 #[test]
+fn sync_batch_norm_normalizes_over_the_union_of_the_batches() {
+    passes_on("sync_batch_norm.py", "sync_batch_norm", &[1, 2, 3]);
+}
+
+#[test]
 fn a_script_run_without_horovodrun_is_a_world_of_one() {
     let out = Command::new(python())
         .arg(root().join("python/tests/collectives.py"))

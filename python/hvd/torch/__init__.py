@@ -9,6 +9,8 @@ from hvd.torch.compression import Compression
 from hvd.torch.ops import *  # noqa: F401,F403 (the API, as ``ops.__all__`` lists it)
 from hvd.torch.ops import __all__ as _ops_all
 from hvd.torch.optimizer import DistributedOptimizer
+from hvd.torch.sync_batch_norm import SyncBatchNorm
 from hvd.torch import elastic
 
-__all__ = sorted(set(_ops_all) | {"Compression", "DistributedOptimizer", "elastic"})
+__all__ = sorted(set(_ops_all) | {"Compression", "DistributedOptimizer", "SyncBatchNorm",
+                                  "elastic"})
