@@ -18,7 +18,9 @@
 //!   whole). The target is T + 1 s.
 //!
 //! Every figure is the median over `--runs` jobs; the counter steps every 10 ms. `--figures`
-//! picks some of them (`recovery,scale-up,rebuild,frozen`).
+//! picks some of them (`recovery,scale-up,rebuild,frozen`). `--program` runs another counter
+//! that prints the same lines and takes the same flags, such as the PyTorch one:
+//! `--program "python python/tests/elastic_train.py --state-model resnet18"`.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -53,6 +55,10 @@ struct Args {
         default_value = "recovery,scale-up,rebuild,frozen"
     )]
     figures: Vec<Figure>,
+    /// The counter to run instead of `elastic_counter`: a command line, split on whitespace;
+    /// it gets `--steps`, `--commit-every` and `--step-ms` after its own arguments.
+    #[arg(long)]
+    program: Option<String>,
 }
 
 /// One figure of the bench.
@@ -124,7 +130,10 @@ impl Job {
                 "--heartbeat-timeout",
                 &b.heartbeat_timeout.to_string(),
             ])
-            .arg(bins.join("examples/elastic_counter"))
+            .args(match &b.program {
+                Some(p) => p.split_whitespace().map(String::from).collect::<Vec<_>>(),
+                None => vec![bins.join("examples/elastic_counter").display().to_string()],
+            })
             .args([
                 "--steps",
                 "100000",

@@ -28,6 +28,9 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--commit-every", type=int, default=5)
     p.add_argument("--step-ms", type=float, default=10)
+    p.add_argument("--state-model", default=None,
+                   help="a torchvision model (with SGD momentum state) to keep in the "
+                        "TorchState besides the counter, to time recovery with a real state")
     args = p.parse_args()
     emit({"event": "start", "horovod": {k: os.environ.get("HOROVOD_" + k.upper()) for k in
                                         ("rank", "size", "local_rank", "hostname")}})
@@ -40,8 +43,18 @@ def main():
                                    named_parameters=model.named_parameters())
     dataset = list(range(64))
     sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=7)
+    extra = {}
+    if args.state_model:
+        import torchvision
+
+        big = getattr(torchvision.models, args.state_model)()
+        big_opt = torch.optim.SGD(big.parameters(), lr=0.0, momentum=0.9)
+        for q in big.parameters():
+            q.grad = torch.zeros_like(q)
+        big_opt.step()  # creates the momentum buffers
+        extra = {"big": big, "big_optimizer": big_opt}
     state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, step=0,
-                                   total=0, history=[])
+                                   total=0, history=[], **extra)
     calls = [0]
     resets = [0]
     state.register_reset_callbacks([lambda: resets.__setitem__(0, resets[0] + 1)])

@@ -82,6 +82,25 @@ class State:
         """Drops what a failed round left in flight."""
 
 
+def _clone(value, into=None):
+    """A copy of a ``state_dict``: tensors copied into the tensors of the previous copy
+    ``into`` where their shapes and types still match (no fresh memory to fault in), cloned
+    otherwise; containers rebuilt; other values deep-copied."""
+    if isinstance(value, torch.Tensor):
+        if (isinstance(into, torch.Tensor) and into.shape == value.shape
+                and into.dtype == value.dtype and into.device == value.device):
+            return into.copy_(value.detach())
+        return value.detach().clone()
+    if isinstance(value, dict):
+        old = into if isinstance(into, dict) else {}
+        return type(value)((k, _clone(v, old.get(k))) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        old = into if isinstance(into, (list, tuple)) and len(into) == len(value) else \
+            [None] * len(value)
+        return type(value)(_clone(v, o) for v, o in zip(value, old))
+    return copy.deepcopy(value)
+
+
 def _stateful(v):
     """Values kept in place through their ``state_dict`` (a sampler a DataLoader holds)."""
     return hasattr(v, "state_dict") and hasattr(v, "load_state_dict") and not isinstance(
@@ -124,42 +143,45 @@ class ObjectState(State):
 
 
 class TorchState(ObjectState):
-    """State of a model and an optimizer (their ``state_dict``s) and any other attributes;
-    an ``ElasticSampler`` among them keeps its place in the epoch."""
+    """State of a model and an optimizer (their ``state_dict``s) and any other attributes:
+    modules and optimizers among them are kept the same way, a sampler through its
+    ``state_dict`` (so an ``ElasticSampler`` keeps its place in the epoch), other values by
+    value."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
-        self._model = model
-        self._optimizer = optimizer
-        self._saved_model = None
-        self._saved_optimizer = None
-        super().__init__(**kwargs)
-        self.model = model
-        self.optimizer = optimizer
+        torch_kwargs = {"model": model, "optimizer": optimizer}
+        torch_kwargs.update({k: v for k, v in kwargs.items()
+                             if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))})
+        self._modules_ = {k: v for k, v in torch_kwargs.items()
+                          if isinstance(v, torch.nn.Module)}
+        self._optimizers_ = {k: v for k, v in torch_kwargs.items()
+                             if isinstance(v, torch.optim.Optimizer)}
+        self._saved_torch = {}
+        super().__init__(**{k: v for k, v in kwargs.items() if k not in torch_kwargs})
+        for k, v in torch_kwargs.items():
+            setattr(self, k, v)
 
     def save(self):
-        if self._model is not None:
-            self._saved_model = copy.deepcopy(self._model.state_dict())
-        if self._optimizer is not None:
-            self._saved_optimizer = copy.deepcopy(self._optimizer.state_dict())
+        self._saved_torch = {k: _clone(v.state_dict(), self._saved_torch.get(k))
+                             for k, v in {**self._modules_, **self._optimizers_}.items()}
         super().save()
 
     def restore(self):
-        if self._model is not None:
-            self._model.load_state_dict(self._saved_model)
-        if self._optimizer is not None:
-            self._optimizer.load_state_dict(self._saved_optimizer)
+        for k, v in {**self._modules_, **self._optimizers_}.items():
+            v.load_state_dict(self._saved_torch[k])
         super().restore()
 
     def _forget_pending(self):
-        reset = getattr(self._optimizer, "_hvd_reset", None)
-        if reset is not None:
-            reset()
+        for opt in self._optimizers_.values():
+            reset = getattr(opt, "_hvd_reset", None)
+            if reset is not None:
+                reset()
 
     def _sync_from(self, root):
-        if self._model is not None:
-            _ops.broadcast_parameters(self._model.state_dict(), root_rank=root)
-        if self._optimizer is not None:
-            _ops.broadcast_optimizer_state(self._optimizer, root_rank=root)
+        for module in self._modules_.values():
+            _ops.broadcast_parameters(module.state_dict(), root_rank=root)
+        for opt in self._optimizers_.values():
+            _ops.broadcast_optimizer_state(opt, root_rank=root)
         super()._sync_from(root)
 
 
@@ -190,6 +212,8 @@ def run(func):
                 reason = str(e)
             _ops._handles.clear()
             state._forget_pending()
+            # Generated op names restart with the round, as they start in a new worker.
+            _ops._unnamed.clear()
             while True:
                 try:
                     removed = _hvd.rejoin(reason)

@@ -183,12 +183,22 @@ def broadcast(tensor, root_rank, name=None):
 
 def broadcast_parameters(params, root_rank):
     """Copies parameters (a ``state_dict()`` or ``named_parameters()``) from ``root_rank``
-    to every rank, in place."""
+    to every rank, in place; all in flight together, each op named after its parameter."""
     items = sorted(params.items()) if isinstance(params, dict) else list(params)
-    for _, p in items:
-        if isinstance(p, _torch.Tensor):
-            with _torch.no_grad():
-                broadcast_(p.data if p.requires_grad else p, root_rank)
+    named = [(f"broadcast_parameters.{k}", p.data if p.requires_grad else p) for k, p in items
+             if isinstance(p, _torch.Tensor)]
+    _broadcast_all(named, root_rank)
+
+
+def _broadcast_all(named, root_rank):
+    """Broadcasts the ``(name, tensor)`` pairs from ``root_rank`` in place, submitted
+    together so the engine runs them back to back. The names come from what is broadcast,
+    never from a count of earlier calls, so a worker that joined late agrees with the
+    others."""
+    with _torch.no_grad():
+        handles = [broadcast_async_(t, root_rank, name=name) for name, t in named]
+        for h in handles:
+            synchronize(h)
 
 
 def barrier():
@@ -391,10 +401,35 @@ def torch_bytes(b):
 
 
 def broadcast_optimizer_state(optimizer, root_rank):
-    """Copies ``optimizer``'s state (and hyperparameters) from ``root_rank`` to every rank."""
-    state = broadcast_object(optimizer.state_dict(), root_rank)
+    """Copies ``optimizer``'s state and hyperparameters from ``root_rank`` to every rank:
+    the layout (and non-tensor values) as an object, the state's tensors in place."""
+    sd = optimizer.state_dict()
+
+    def spec(v):
+        if isinstance(v, _torch.Tensor):
+            return ("tensor", tuple(v.shape), _dtype_name(v))
+        return ("value", v)
+
+    layout = {idx: {k: spec(v) for k, v in entries.items()}
+              for idx, entries in sd["state"].items()}
+    layout, groups = broadcast_object((layout, sd["param_groups"]), root_rank)
+    state, tensors = {}, []
+    for idx, entries in layout.items():
+        mine = sd["state"].get(idx, {})
+        state[idx] = {}
+        for k, s in entries.items():
+            if s[0] == "value":
+                state[idx][k] = s[1]
+                continue
+            t = mine.get(k)
+            if (not isinstance(t, _torch.Tensor) or tuple(t.shape) != s[1]
+                    or _dtype_name(t) != s[2]):
+                t = _torch.empty(s[1], dtype=getattr(_torch, s[2]))
+            state[idx][k] = t
+            tensors.append((f"broadcast_optimizer_state.{idx}.{k}", t))
+    _broadcast_all(tensors, root_rank)
     if rank() != root_rank:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def broadcast_async_(tensor, root_rank, name=None):
