@@ -15,42 +15,21 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use support::{
-    Agent, Job, SECRET_VAR, agents, assert_probe_lines, check_counter, example, scratch, signal,
+    Agent, Job, SECRET_VAR, agents, alive, assert_probe_lines, check_counter, children_of, example,
+    running_after, scratch, signal,
 };
 
 const HOSTS2: &[&str] = &["127.0.0.2:2", "127.0.0.3:2"];
 const COUNTER: &[&str] = &["--steps", "250", "--commit-every", "5", "--step-ms", "10"];
 
-fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit_once(')')
-            .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
-    })
-}
-
 /// Processes whose parent is `parent`.
 fn children(parent: u32) -> Vec<i32> {
-    let parent = parent.to_string();
-    std::fs::read_dir("/proc")
-        .expect("proc")
-        .flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-                s.rsplit_once(')')
-                    .and_then(|(_, r)| r.split_whitespace().nth(1).map(|p| p == parent))
-                    .unwrap_or(false)
-            })
-        })
-        .collect()
+    children_of(&[parent])
 }
 
 fn wait_gone(pids: &[i32], what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while pids.iter().any(|&p| alive(p)) {
-        assert!(Instant::now() < deadline, "{what}: {pids:?} still running");
-        thread::sleep(Duration::from_millis(50));
-    }
+    let left = running_after(pids, Duration::from_secs(10));
+    assert!(left.is_empty(), "{what}: {left:?} still running");
 }
 
 /// An elastic counter job through agents listening on `port`.

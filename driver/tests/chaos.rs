@@ -2,15 +2,18 @@
 //! workers are killed one by one or a host at a time, stopped (one or a host's, briefly or
 //! past the heartbeat timeout, when the driver kills them as frozen), hosts leave and join
 //! discovery, discovery fails, hangs or prints garbage, and, in jobs started through
-//! `hvd-agent`s (`--launcher agent`), a host's agent is killed (and restarted later). After
-//! the job the counter's invariants hold (no committed step lost or applied twice, every rank
-//! agrees), the job exits 0, and none of its processes is left. A fault after which the job
-//! makes no progress for a minute fails the run as a hang.
+//! `hvd-agent`s (`--launcher agent`), a host's agent is killed (and restarted later): its
+//! workers live on, orphaned, until the driver, which counts them as lost, closes their
+//! rendezvous connections; they must be gone soon after. After the job the counter's
+//! invariants hold (every rank agrees; no committed step lost, no step applied twice or to a
+//! state the job never had, both counted from the lines), the job exits 0, and none of its
+//! processes is left. A fault after which the job makes no progress for a minute is a hang.
 //!
 //! The CI-sized run has a fixed seed and runs through agents; `cargo test -p hvd-driver --test
 //! chaos -- --ignored` runs the long one (`HVD_CHAOS_SEED`, `HVD_CHAOS_FAULTS`, default 1,000
 //! faults; jobs alternate between the local and the agent launcher) and prints its summary:
-//! faults by kind, resets, steps re-run after rollbacks, recovery times.
+//! faults by kind, resets, steps re-run after rollbacks, committed steps lost, steps off the
+//! chain, hangs, the orphans of killed agents, recovery times.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
@@ -22,7 +25,8 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use support::{
-    Agent, Job, Line, SECRET_VAR, agents, check_counter, scratch, start_agent, steps_rerun,
+    Agent, Job, Line, SECRET_VAR, agents, check_counter, children_of, committed_steps_lost,
+    running_after, scratch, start_agent, steps_off_the_chain, steps_rerun,
 };
 
 /// The local hosts a job may use; it starts on the first four.
@@ -144,25 +148,75 @@ impl Fleet {
     }
 }
 
-/// What one chaos job did.
+/// How long the job may go without progress after a fault before it counts as a hang.
+const HANG: Duration = Duration::from_secs(60);
+/// How long the orphaned workers of a killed agent may live on after its kill.
+const ORPHANS_GONE: Duration = Duration::from_secs(15);
+
+/// What one chaos job (or several) did.
 #[derive(Debug, Default)]
 struct Summary {
     faults: BTreeMap<String, usize>,
     resets: usize,
     rerun: usize,
+    /// Committed steps lost ([`committed_steps_lost`]).
+    lost: u64,
+    /// Steps applied twice or to a state the job never had ([`steps_off_the_chain`]).
+    off_chain: Vec<String>,
+    /// What the job was waiting for when it stopped making progress, per hang.
+    hangs: Vec<String>,
+    /// From each kill to the first step of the round after it.
     recoveries: Vec<Duration>,
+    /// Kills the world trained on through without a reset.
+    no_reset: usize,
+    /// From each agent's kill to the end of the last of its orphaned workers.
+    orphans_gone: Vec<Duration>,
+    /// Orphaned workers of killed agents.
+    orphans: usize,
     elapsed: Duration,
 }
 
 impl Summary {
-    fn percentile(&self, p: f64) -> Duration {
-        let mut r = self.recoveries.clone();
-        r.sort();
-        if r.is_empty() {
-            return Duration::ZERO;
+    fn add(&mut self, s: Summary) {
+        for (f, c) in s.faults {
+            *self.faults.entry(f).or_default() += c;
         }
-        r[((r.len() - 1) as f64 * p).round() as usize]
+        self.resets += s.resets;
+        self.rerun += s.rerun;
+        self.lost += s.lost;
+        self.off_chain.extend(s.off_chain);
+        self.hangs.extend(s.hangs);
+        self.recoveries.extend(s.recoveries);
+        self.no_reset += s.no_reset;
+        self.orphans_gone.extend(s.orphans_gone);
+        self.orphans += s.orphans;
+        self.elapsed += s.elapsed;
     }
+
+    /// Fails the test unless no step was lost, none is off the chain and nothing hung.
+    fn assert_sound(&self, seed: u64) {
+        assert_eq!(self.lost, 0, "seed {seed}: committed steps lost");
+        assert!(
+            self.off_chain.is_empty(),
+            "seed {seed}: steps off the chain: {:#?}",
+            self.off_chain
+        );
+        assert!(
+            self.hangs.is_empty(),
+            "seed {seed}: hangs: {:#?}",
+            self.hangs
+        );
+    }
+}
+
+/// The `p` quantile of `d` (nearest rank), zero for none.
+fn percentile(d: &[Duration], p: f64) -> Duration {
+    let mut d = d.to_vec();
+    d.sort();
+    if d.is_empty() {
+        return Duration::ZERO;
+    }
+    d[((d.len() - 1) as f64 * p).round() as usize]
 }
 
 /// Sends `sig` to `pid`, which may have exited meanwhile.
@@ -179,7 +233,76 @@ fn is_step(l: &Line) -> bool {
     l.v["event"] == "step" || l.v["event"] == "done"
 }
 
-/// Runs one chaos job of `faults` faults from `seed`, its workers started as `launch` says.
+/// What the driver logs for each worker that failed (exited, or was lost with its agent).
+const FAILED: &str = "worker failed";
+
+/// What followed a kill.
+enum After {
+    /// A round formed after the driver noticed, and trained: this long after the kill.
+    Recovered(Duration),
+    /// Training went on without a reset: the kill hit no member of the world (a worker still
+    /// starting, or already leaving).
+    WentOn,
+    /// The job ended.
+    Done,
+    /// No progress; what the job was waiting for.
+    Hung(String),
+}
+
+/// Follows a kill at `t0`: the driver logs a failure (it had logged `failures` before), a
+/// reset follows (of a round formed after that, so not one already under way at the kill),
+/// then a step of the new round.
+fn after_kill(job: &mut Job, t0: Instant, failures: usize) -> After {
+    // Lines read from `since` on come from rounds formed after the failure was noticed. A
+    // kill the driver does not count as a failure (a worker already leaving) is followed by
+    // no reset.
+    let mut since = t0;
+    let noticed = loop {
+        let before = Instant::now();
+        if job.stderr_count(FAILED) > failures {
+            break true;
+        }
+        if before.duration_since(t0) > Duration::from_secs(10) {
+            break false;
+        }
+        since = before;
+        thread::sleep(Duration::from_millis(5));
+    };
+    let ended = |l: &Line| l.v["event"] == "done";
+    let reset = if noticed {
+        job.try_wait_for(
+            |l| l.at >= since && (l.v["event"] == "reset" || ended(l)),
+            Duration::from_secs(15),
+        )
+    } else {
+        None
+    };
+    match reset {
+        Some(l) if ended(&l) => After::Done,
+        Some(reset) => match job.try_wait_for(|l| l.at >= reset.at && is_step(l), HANG) {
+            Some(_) => After::Recovered(t0.elapsed()),
+            None => After::Hung(format!("no step within {HANG:?} of the reset")),
+        },
+        // No reset: the world trained on, or nothing moves any more.
+        None => match job.try_wait_for(|l| l.at >= since && is_step(l), HANG) {
+            Some(l) if ended(&l) => After::Done,
+            Some(_) => After::WentOn,
+            None => After::Hung(format!(
+                "no reset and no step within {HANG:?} (failure logged: {noticed})"
+            )),
+        },
+    }
+}
+
+/// The last 40 lines of `err`.
+fn tail(err: &str) -> String {
+    let lines: Vec<&str> = err.lines().collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
+}
+
+/// Runs one chaos job of `faults` faults from `seed`, its workers started as `launch` says,
+/// and prints its summary. Fails the test on a failed job, a broken counter invariant or a
+/// process left behind; the caller checks the summary's counts.
 fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
     let mut rng = Rng::new(seed);
     let mut live: Vec<&str> = POOL[..4].to_vec();
@@ -238,9 +361,14 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
     let mut summary = Summary::default();
     let mut pids_seen = std::collections::BTreeSet::new();
     let mut done = false;
-    for _ in 0..faults {
-        // Progress since the last fault: a step (or the end), within the harness's minute.
-        let last = job.wait_for("training to go on", is_step);
+    for i in 0..faults {
+        // Progress since the last fault: a step (or the end).
+        let Some(last) = job.try_wait_for(is_step, HANG) else {
+            summary
+                .hangs
+                .push(format!("no step within {HANG:?} before fault {i}"));
+            break;
+        };
         drain(&mut job, &mut all);
         if last.v["event"] == "done" || job.child.try_wait().ok().flatten().is_some() {
             done = true;
@@ -257,7 +385,8 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
         pids_seen.extend(workers.iter().map(|w| w.0));
         let on = |h: &str| workers.iter().filter(|w| w.2 == h).count();
         let busy: Vec<&str> = live.iter().copied().filter(|h| on(h) > 0).collect();
-        let kinds = if fleet.is_some() { 10 } else { 9 };
+        // Through agents, their kill is drawn twice as often as any other fault.
+        let kinds = if fleet.is_some() { 11 } else { 9 };
         let mut fault = match rng.below(kinds) {
             0 => Fault::KillWorker,
             1 => Fault::KillHost,
@@ -297,8 +426,10 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
         if fault == Fault::RemoveHost && live.len() < 2 {
             fault = Fault::AddHost;
         }
+        let failures = job.stderr_count(FAILED);
         let t0 = Instant::now();
         let mut recovers = false;
+        let mut orphans = Vec::new();
         match fault {
             Fault::KillWorker => {
                 let (pid, _, _) = workers[rng.below(workers.len())].clone();
@@ -335,6 +466,9 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
                 let up: Vec<&str> = busy.iter().copied().filter(|h| agent_up(h)).collect();
                 let h = up[rng.below(up.len())];
                 let down = rng.millis(500, 4000);
+                // Its workers, including any started since the look above.
+                orphans = job.pids_on(h);
+                pids_seen.extend(&orphans);
                 if let Some(f) = fleet.as_mut() {
                     f.kill(h, down);
                 }
@@ -365,16 +499,40 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
         }
         *summary.faults.entry(format!("{fault:?}")).or_default() += 1;
         if recovers {
-            // Recovery: from the kill to the first step of the round after it.
-            let reset = job.wait_for("a reset after a kill", |l| {
-                l.v["event"] == "reset" || l.v["event"] == "done"
-            });
-            if reset.v["event"] == "reset" {
-                job.wait_for("a step after the reset", is_step);
-                summary.recoveries.push(t0.elapsed());
+            match after_kill(&mut job, t0, failures) {
+                After::Recovered(took) => summary.recoveries.push(took),
+                After::WentOn => summary.no_reset += 1,
+                After::Done => {}
+                After::Hung(what) => {
+                    summary
+                        .hangs
+                        .push(format!("after fault {i} ({fault:?}): {what}"));
+                    break;
+                }
             }
             drain(&mut job, &mut all);
         }
+        if !orphans.is_empty() {
+            let left = running_after(&orphans, ORPHANS_GONE);
+            assert!(
+                left.is_empty(),
+                "seed {seed}: workers {left:?} of a killed agent still run {ORPHANS_GONE:?} \
+                 after its kill\nhorovodrun's stderr:\n{}",
+                tail(&job.err_tail())
+            );
+            summary.orphans += orphans.len();
+            summary.orphans_gone.push(t0.elapsed());
+        }
+    }
+    if !summary.hangs.is_empty() {
+        summary.elapsed = started.elapsed();
+        report(&format!("seed {seed} ({launch:?})"), &summary);
+        panic!(
+            "seed {seed}: the job hung: {:?}\nlines: {:?}\nhorovodrun's stderr:\n{}",
+            summary.hangs,
+            job.tail(),
+            tail(&job.err_tail())
+        );
     }
     // Every host and agent back, discovery healthy: the job runs to its end.
     if let Some(f) = fleet.as_mut() {
@@ -396,61 +554,61 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
     drain(&mut job, &mut all);
     let (code, err, rest) = job.finish();
     all.extend(rest);
-    let tail: String = err
-        .lines()
-        .rev()
-        .take(40)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect::<Vec<_>>()
-        .join("\n");
     assert_eq!(
-        code, 0,
-        "seed {seed}: the job failed (done early: {done}):\n{tail}"
+        code,
+        0,
+        "seed {seed}: the job failed (done early: {done}):\n{}",
+        tail(&err)
     );
     check_counter(&all, steps.parse().unwrap());
     summary.resets = all.iter().filter(|l| l.v["event"] == "reset").count();
     summary.rerun = steps_rerun(&all);
+    summary.lost = committed_steps_lost(&all);
+    summary.off_chain = steps_off_the_chain(&all);
     summary.elapsed = started.elapsed();
-    // No process of the job is left behind.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let alive: Vec<i32> = pids_seen
-            .iter()
-            .copied()
-            .filter(|&p| {
-                std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
-                    !s.rsplit_once(')')
-                        .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
-                })
-            })
-            .collect();
-        if alive.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "seed {seed}: worker processes left after the job: {alive:?}"
-        );
-        thread::sleep(Duration::from_millis(100));
+    // No process of the job is left behind: no worker it ran, nothing under its agents, and,
+    // once they are stopped, no agent.
+    let mut pids: Vec<i32> = pids_seen.into_iter().collect();
+    if let Some(f) = &fleet {
+        pids.extend(children_of(&f.pids()));
     }
+    let left = running_after(&pids, Duration::from_secs(10));
+    assert!(
+        left.is_empty(),
+        "seed {seed}: processes left after the job: {left:?}"
+    );
+    if let Some(f) = fleet.take() {
+        let agents: Vec<i32> = f.pids().into_iter().map(|p| p as i32).collect();
+        drop(f);
+        assert!(
+            running_after(&agents, Duration::from_secs(10)).is_empty(),
+            "seed {seed}: agents left"
+        );
+    }
+    report(&format!("seed {seed} ({launch:?})"), &summary);
     summary
 }
 
-fn report(seed: u64, s: &Summary) {
+fn report(what: &str, s: &Summary) {
     eprintln!(
-        "chaos seed {seed}: {} faults {:?}; {} reset lines; {} steps re-run after rollbacks; \
-         committed steps lost or applied twice: 0 (the counter's invariants held); hangs: 0 \
-         (progress within a minute of every fault); recovery p50 {:?} p95 {:?} over {}; {:?} \
-         in all",
+        "chaos {what}: {} faults {:?}; {} reset lines; {} steps re-run after rollbacks; \
+         committed steps lost: {}; steps applied twice or to a state the job never had: {}; \
+         hangs (no progress within {HANG:?} of a fault): {}; orphaned workers of killed \
+         agents: {} (gone within {:?} of the kill at most); recovery p50 {:?} p95 {:?} over \
+         {} kills ({} more trained on without a reset); {:?} in all",
         s.faults.values().sum::<usize>(),
         s.faults,
         s.resets,
         s.rerun,
-        s.percentile(0.5),
-        s.percentile(0.95),
+        s.lost,
+        s.off_chain.len(),
+        s.hangs.len(),
+        s.orphans,
+        s.orphans_gone.iter().max().copied().unwrap_or_default(),
+        percentile(&s.recoveries, 0.5),
+        percentile(&s.recoveries, 0.95),
         s.recoveries.len(),
+        s.no_reset,
         s.elapsed
     );
 }
@@ -458,8 +616,7 @@ fn report(seed: u64, s: &Summary) {
 #[test]
 fn a_seeded_mix_of_faults_loses_no_step() {
     let seed = 11;
-    let s = chaos(seed, 60, Launch::Agents);
-    report(seed, &s);
+    chaos(seed, 60, Launch::Agents).assert_sound(seed);
 }
 
 #[test]
@@ -480,16 +637,61 @@ fn a_long_chaos_run() {
             Launch::Agents
         };
         let s = chaos(seed + k, n, launch);
-        report(seed + k, &s);
-        for (f, c) in s.faults {
-            *total.faults.entry(f).or_default() += c;
-        }
-        total.resets += s.resets;
-        total.rerun += s.rerun;
-        total.recoveries.extend(s.recoveries);
-        total.elapsed += s.elapsed;
+        s.assert_sound(seed + k);
+        total.add(s);
         left -= n;
         k += 1;
     }
-    report(seed, &total);
+    report(
+        &format!("seeds {seed}..={}, all jobs", seed + k - 1),
+        &total,
+    );
+}
+
+/// Counter lines from worker `worker`: `event` with the given fields.
+fn line(worker: u64, v: serde_json::Value) -> Line {
+    Line {
+        worker,
+        v,
+        at: Instant::now(),
+    }
+}
+
+#[test]
+fn the_counts_catch_a_lost_commit_and_a_step_applied_twice() {
+    use serde_json::json;
+    let step = |w, step, size, total| {
+        line(
+            w,
+            json!({"event": "step", "step": step, "rank": w, "size": size, "total": total}),
+        )
+    };
+    let commit = |w, step| line(w, json!({"event": "commit", "step": step, "rank": w}));
+    let reset = |w, step, rank| line(w, json!({"event": "reset", "step": step, "rank": rank}));
+    let done = |w, total| line(w, json!({"event": "done", "steps": 3, "total": total}));
+    // Two ranks commit step 2; one dies in step 3; the other resumes from its commit alone.
+    let sound = vec![
+        step(0, 1, 2, 2),
+        step(1, 1, 2, 2),
+        step(0, 2, 2, 4),
+        step(1, 2, 2, 4),
+        commit(0, 2),
+        commit(1, 2),
+        step(0, 3, 2, 6),
+        reset(0, 2, 0),
+        step(0, 3, 1, 5),
+        done(0, 5),
+    ];
+    assert_eq!(committed_steps_lost(&sound), 0);
+    assert!(steps_off_the_chain(&sound).is_empty());
+    // Rank 0 resumes below its commit: a committed step is lost.
+    let mut lost = sound.clone();
+    lost[7] = reset(0, 1, 0);
+    lost[8] = step(0, 2, 1, 3);
+    assert_eq!(committed_steps_lost(&lost), 1);
+    // Step 3 counted twice: its total follows from no step 2.
+    let mut twice = sound.clone();
+    twice[8] = step(0, 3, 1, 6);
+    twice[9] = done(0, 7);
+    assert_eq!(steps_off_the_chain(&twice).len(), 2, "the step and the end");
 }

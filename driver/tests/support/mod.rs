@@ -34,6 +34,8 @@ pub struct Line {
     pub worker: u64,
     /// The event.
     pub v: Value,
+    /// When the test read it from `horovodrun`'s output.
+    pub at: Instant,
 }
 
 pub struct Job {
@@ -131,7 +133,8 @@ impl Job {
                 };
                 let worker = prefix.trim_start_matches('[').trim_end_matches(']');
                 if let (Ok(worker), Ok(v)) = (worker.parse(), serde_json::from_str(json)) {
-                    if tx.send(Line { worker, v }).is_err() {
+                    let at = Instant::now();
+                    if tx.send(Line { worker, v, at }).is_err() {
                         break;
                     }
                 }
@@ -173,26 +176,30 @@ impl Job {
         std::fs::write(self.dir.join("mode"), sh).expect("mode");
     }
 
-    /// Waits for a line matching `pred`; returns it.
+    /// Waits up to a minute for a line matching `pred`; returns it.
     pub fn wait_for(&mut self, what: &str, pred: impl Fn(&Line) -> bool) -> Line {
-        if let Some(l) = self.seen.iter().find(|l| pred(l)) {
-            return l.clone();
+        match self.try_wait_for(pred, Duration::from_secs(60)) {
+            Some(l) => l,
+            None => panic!(
+                "never saw {what}; lines: {:?}\nhorovodrun's stderr:\n{}",
+                self.tail(),
+                self.err_tail()
+            ),
         }
-        let deadline = Instant::now() + Duration::from_secs(60);
+    }
+
+    /// Waits up to `within` for a line matching `pred`; `None` when none came.
+    pub fn try_wait_for(&mut self, pred: impl Fn(&Line) -> bool, within: Duration) -> Option<Line> {
+        if let Some(l) = self.seen.iter().find(|l| pred(l)) {
+            return Some(l.clone());
+        }
+        let deadline = Instant::now() + within;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.seen.push(l.clone());
-                    if pred(&l) {
-                        return l;
-                    }
-                }
-                Err(_) => panic!(
-                    "never saw {what}; lines: {:?}\nhorovodrun's stderr:\n{}",
-                    self.tail(),
-                    self.err_tail()
-                ),
+            let l = self.lines.recv_timeout(left).ok()?;
+            self.seen.push(l.clone());
+            if pred(&l) {
+                return Some(l);
             }
         }
     }
@@ -201,6 +208,11 @@ impl Job {
         self.wait_for(&format!("step {step} at size {size}"), |l| {
             l.v["event"] == "step" && l.v["step"].as_u64() >= Some(step) && l.v["size"] == size
         })
+    }
+
+    /// How often `what` occurs in `horovodrun`'s stderr so far.
+    pub fn stderr_count(&self, what: &str) -> usize {
+        self.err.lock().map_or(0, |e| e.matches(what).count())
     }
 
     /// The last 8 KiB of `horovodrun`'s stderr so far, for a failure message.
@@ -340,6 +352,43 @@ impl Drop for Job {
     }
 }
 
+/// Whether `pid` runs (a zombie does not).
+pub fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+    })
+}
+
+/// The pids of the processes whose parent is one of `parents`.
+pub fn children_of(parents: &[u32]) -> Vec<i32> {
+    let parents: Vec<String> = parents.iter().map(u32::to_string).collect();
+    std::fs::read_dir("/proc")
+        .expect("proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                s.rsplit_once(')')
+                    .and_then(|(_, r)| r.split_whitespace().nth(1).map(str::to_string))
+                    .is_some_and(|p| parents.contains(&p))
+            })
+        })
+        .collect()
+}
+
+/// Waits up to `within` until none of `pids` runs; returns the ones still running.
+pub fn running_after(pids: &[i32], within: Duration) -> Vec<i32> {
+    let deadline = Instant::now() + within;
+    loop {
+        let running: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+        if running.is_empty() || Instant::now() >= deadline {
+            return running;
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
 pub fn signal(pid: i32, sig: Signal) {
     kill(Pid::from_raw(pid), sig).expect("signal worker");
 }
@@ -402,6 +451,56 @@ pub fn steps_rerun(lines: &[Line]) -> usize {
         .count()
 }
 
+/// Committed steps a job lost, from its counter lines: a new world resumes from its rank 0's
+/// state, and rank 0 restores its own last commit after a failure (or keeps its current step
+/// after a host update), so a `reset` line of rank 0 below the last step that worker
+/// committed lost the steps between.
+pub fn committed_steps_lost(lines: &[Line]) -> u64 {
+    let mut last_commit: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut lost = 0;
+    for l in lines {
+        let step = l.v["step"].as_u64().unwrap_or(0);
+        match l.v["event"].as_str() {
+            Some("commit") => {
+                last_commit.insert(l.worker, step);
+            }
+            Some("reset") if l.v["rank"] == 0 => {
+                let committed = last_commit.get(&l.worker).copied().unwrap_or(0);
+                lost += committed.saturating_sub(step);
+            }
+            _ => {}
+        }
+    }
+    lost
+}
+
+/// The steps (and the final totals) that do not follow from a state the job had, described:
+/// step `k` at size `n` with total `t` needs a step `k − 1` printed with total `t − n` (or
+/// `t == n` for the first step), and each `done` a step of its count printed with its total.
+/// A step applied twice, or to a state missing one, breaks the chain.
+pub fn steps_off_the_chain(lines: &[Line]) -> Vec<String> {
+    let field = |l: &Line, k: &str| l.v[k].as_u64().unwrap_or(u64::MAX);
+    let mut states: BTreeSet<(u64, u64)> = BTreeSet::from([(0, 0)]);
+    for l in lines.iter().filter(|l| l.v["event"] == "step") {
+        states.insert((field(l, "step"), field(l, "total")));
+    }
+    let mut off = Vec::new();
+    for l in lines {
+        let (step, total) = (field(l, "step"), field(l, "total"));
+        let follows = match l.v["event"].as_str() {
+            Some("step") => total
+                .checked_sub(field(l, "size"))
+                .is_some_and(|before| states.contains(&(step.wrapping_sub(1), before))),
+            Some("done") => states.contains(&(field(l, "steps"), total)),
+            _ => true,
+        };
+        if !follows {
+            off.push(format!("[{}] {}", l.worker, l.v));
+        }
+    }
+    off
+}
+
 /// Asserts that `hvd_probe --lines N` printed each of its lines, on each of `ranks` ranks, with
 /// the rank prefixes `horovodrun` relays them with.
 pub fn assert_probe_lines(stdout: &str, stderr: &str, ranks: usize, lines: usize) {
@@ -452,7 +551,18 @@ impl Agent {
 }
 
 impl Drop for Agent {
+    /// SIGTERM first, so the agent stops the processes it runs; SIGKILL if it takes too long.
     fn drop(&mut self) {
+        let pid = Pid::from_raw(self.child.id() as i32);
+        if kill(pid, Signal::SIGTERM).is_ok() {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if !matches!(self.child.try_wait(), Ok(None)) {
+                    return;
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
