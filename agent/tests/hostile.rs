@@ -1,26 +1,34 @@
 //! Hostile input for the agent: its messages' decoders on random and mutated lines, and a
 //! real agent (in process, over sockets) facing strangers that send random bytes, mutated
-//! handshakes and oversized lines, and an authenticated peer that sends garbage. Every line
-//! decodes or is refused with a message; the agent refuses or answers each peer, never
-//! panics, holds no more than a line's limit per connection, and a genuine driver afterwards
-//! still starts a process and reads its output.
+//! handshakes and oversized or endless lines, and an authenticated peer that sends garbage
+//! or deeply nested JSON. Every line decodes or is refused with a message; the agent refuses
+//! (and logs, with the peer's address) or answers each peer, never panics, reads no more than
+//! a line's limit of one it refuses, and a genuine driver afterwards still starts a process
+//! and reads its output. The driver's side too: `connect` against fake agents that send
+//! garbage, mutated challenges and welcomes or endless lines fails with an error naming the
+//! agent (and succeeds only on a genuine welcome), and [`Events::next`] reports each line
+//! after the handshake as its message or as an error.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
 use std::time::Duration;
 
-use hvd_agent::auth::{CONTEXT, Handshake, Nonce, Role};
-use hvd_agent::{FromAgent, Stream, ToAgent, connect, serve};
-use hvd_rendezvous::{decode_line, encode_line};
+use std::sync::{Arc, Mutex};
+
+use hvd_agent::auth::{CONTEXT, Handshake, Nonce, Role, Tag};
+use hvd_agent::{AgentError, FromAgent, Stream, ToAgent, connect, serve};
+use hvd_rendezvous::{MAX_LINE, ProtocolError, decode_line, encode_line};
 use lines::{Edit, check, edits};
 use proptest::collection::vec;
 use proptest::prelude::*;
 
 #[path = "../../rendezvous/tests/lines/mod.rs"]
 mod lines;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 const SECRET: &str = "hostile-test-secret";
 const T: Duration = Duration::from_secs(10);
@@ -120,9 +128,10 @@ async fn agent() -> (String, oneshot::Sender<()>) {
 }
 
 /// Sends `bytes` and reads what comes back until the agent closes the connection (a
-/// refusal closes it) or, when it keeps it open, until it has been quiet for a while.
-async fn knock(addr: &str, bytes: &[u8]) -> Vec<u8> {
+/// refusal closes it); returns that and the address the bytes came from.
+async fn knock(addr: &str, bytes: &[u8]) -> (Vec<u8>, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let from = s.local_addr().unwrap().to_string();
     // The agent may refuse and close before it read everything.
     let _ = s.write_all(bytes).await;
     let _ = s.shutdown().await;
@@ -130,7 +139,7 @@ async fn knock(addr: &str, bytes: &[u8]) -> Vec<u8> {
     let mut buf = [0u8; 4096];
     loop {
         match tokio::time::timeout(T, s.read(&mut buf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => return back,
+            Ok(Ok(0)) | Ok(Err(_)) => return (back, from),
             Ok(Ok(n)) => back.extend_from_slice(&buf[..n]),
             Err(_) => panic!("the agent neither answered nor closed: {back:?}"),
         }
@@ -224,14 +233,24 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
     /// Strangers are refused (the challenge, then a refusal or a closed connection, never a
-    /// welcome or a started process); then a genuine driver is served.
+    /// welcome or a started process) and each refusal is logged with the stranger's address;
+    /// then a genuine driver is served.
     #[test]
     fn strangers_are_refused_and_the_agent_serves_on(strangers in vec(stranger(), 1..6)) {
+        let log = Log::default();
+        let _logging = tracing::subscriber::set_default(log.subscriber());
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let (addr, _stop) = agent().await;
             for s in &strangers {
-                refused(&knock(&addr, s).await)?;
+                let (back, from) = knock(&addr, s).await;
+                refused(&back)?;
+                let text = log.text();
+                prop_assert!(
+                    text.lines().any(|l| l.contains("driver connection refused")
+                        && l.contains(&format!("peer={from} "))),
+                    "no refusal of {} logged:\n{}", from, text
+                );
             }
             genuine_driver_works(&addr).await;
             Ok::<(), TestCaseError>(())
@@ -291,4 +310,391 @@ proptest! {
             Ok::<(), TestCaseError>(())
         })?;
     }
+}
+
+/// Log lines written in this thread while its subscriber is the default.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Log {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Log {
+    fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync + 'static {
+        let sink = self.clone();
+        tracing_subscriber::fmt()
+            .with_writer(move || sink.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .finish()
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Writes `x` bytes without a newline until the peer stops taking them (or `cap` bytes are
+/// written); how many it took.
+async fn endless_line(w: &mut (impl AsyncWriteExt + Unpin), cap: usize) -> usize {
+    let chunk = vec![b'x'; 64 << 10];
+    let mut sent = 0;
+    while sent < cap {
+        match tokio::time::timeout(T, w.write_all(&chunk)).await {
+            Ok(Ok(())) => sent += chunk.len(),
+            Ok(Err(_)) => return sent,
+            Err(_) => panic!("the peer neither read on nor closed after {sent} bytes"),
+        }
+    }
+    sent
+}
+
+/// What an endless line may push into a peer that refuses it: the limit, and what the
+/// kernel buffers of a loopback connection hold.
+const BUFFERED: usize = 12 << 20;
+
+/// The agent's challenge read from `s`, and the genuine answer to it.
+async fn answer_challenge(s: &mut (impl AsyncBufReadExt + Unpin)) -> ToAgent {
+    let mut line = Vec::new();
+    tokio::time::timeout(T, s.read_until(b'\n', &mut line))
+        .await
+        .unwrap()
+        .unwrap();
+    let Ok(FromAgent::Challenge { nonce }) = decode_line::<FromAgent>(&line) else {
+        panic!("no challenge: {line:?}");
+    };
+    let hs = Handshake::new(SECRET, CONTEXT, Role::Dialer).unwrap();
+    let theirs = Nonce::from_hex(&nonce).unwrap();
+    ToAgent::Auth {
+        mac: hs.proof(&theirs).to_hex(),
+        nonce: hs.nonce().to_hex(),
+    }
+}
+
+/// A connection to `addr` that answered the agent's challenge (the welcome not read yet).
+async fn authenticated(addr: &str) -> (BufReader<OwnedReadHalf>, OwnedWriteHalf) {
+    let (r, mut w) = TcpStream::connect(addr).await.unwrap().into_split();
+    let mut r = BufReader::new(r);
+    let auth = answer_challenge(&mut r).await;
+    w.write_all(&encode_line(&auth).unwrap()).await.unwrap();
+    (r, w)
+}
+
+/// Every message the agent sends until it closes the connection (or resets it).
+async fn messages_until_closed(r: &mut BufReader<OwnedReadHalf>) -> Vec<FromAgent> {
+    let mut back = Vec::new();
+    let _ = tokio::time::timeout(T, r.read_to_end(&mut back))
+        .await
+        .expect("the agent closes the connection");
+    back.split_inclusive(|&b| b == b'\n')
+        .map(|l| decode_line(l).expect("the agent speaks its protocol"))
+        .collect()
+}
+
+/// An endless line is cut off at its limit, before authentication (refused, saying why)
+/// and after it (the connection closed, and logged); the agent reads no more than the limit
+/// and what the connection buffers, and serves the next driver.
+#[test]
+fn endless_lines_are_cut_off_at_their_limit() {
+    let log = Log::default();
+    let _logging = tracing::subscriber::set_default(log.subscriber());
+    runtime().block_on(async {
+        let (addr, _stop) = agent().await;
+        // Before authenticating.
+        let (r, mut w) = TcpStream::connect(&addr).await.unwrap().into_split();
+        let reader = tokio::spawn(async move {
+            let mut back = Vec::new();
+            let _ = BufReader::new(r).read_to_end(&mut back).await;
+            back
+        });
+        let sent = endless_line(&mut w, 256 << 20).await;
+        assert!(sent < BUFFERED, "{sent} bytes taken before authentication");
+        let back = tokio::time::timeout(T, reader).await.unwrap().unwrap();
+        let last = back.split_inclusive(|&b| b == b'\n').next_back().unwrap();
+        assert!(
+            matches!(decode_line::<FromAgent>(last), Ok(FromAgent::Refused { reason })
+                if reason.contains("longer than 4096 bytes before authentication")),
+            "{:?}",
+            String::from_utf8_lossy(&back)
+        );
+        // After authenticating.
+        let (mut r, mut w) = authenticated(&addr).await;
+        let sent = endless_line(&mut w, 256 << 20).await;
+        assert!(
+            (MAX_LINE..BUFFERED).contains(&sent),
+            "{sent} bytes taken after authentication"
+        );
+        let msgs = messages_until_closed(&mut r).await;
+        assert!(matches!(msgs[..], [FromAgent::Welcome { .. }]), "{msgs:?}");
+        genuine_driver_works(&addr).await;
+    });
+    let text = log.text();
+    assert!(
+        text.contains("request too long; connection closed"),
+        "{text}"
+    );
+    assert!(text.contains(&format!("bytes={}", MAX_LINE + 1)), "{text}");
+}
+
+/// JSON nested far deeper than the decoder recurses is answered with an error that says so,
+/// from an authenticated peer, and the agent serves on.
+#[test]
+fn deep_nesting_is_answered_with_an_error() {
+    runtime().block_on(async {
+        let (addr, _stop) = agent().await;
+        let (mut r, mut w) = authenticated(&addr).await;
+        for open in [&b"["[..], br#"{"a":"#] {
+            let mut line = br#"{"type":"start","argv":"#.to_vec();
+            line.extend(open.repeat(200_000));
+            line.push(b'\n');
+            w.write_all(&line).await.unwrap();
+        }
+        w.shutdown().await.unwrap();
+        let msgs = messages_until_closed(&mut r).await;
+        assert!(
+            matches!(msgs.first(), Some(FromAgent::Welcome { .. })),
+            "{msgs:?}"
+        );
+        let errors: Vec<&str> = msgs[1..]
+            .iter()
+            .filter_map(|m| match m {
+                FromAgent::Error { reason } => Some(reason.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(errors.len(), 2, "{msgs:?}");
+        for e in errors {
+            assert!(
+                e.starts_with("bad request: ") && e.contains("recursion limit"),
+                "{e}"
+            );
+        }
+        genuine_driver_works(&addr).await;
+    });
+}
+
+/// A fake agent on a free port that runs `script` on the first connection; its address, and
+/// the task (to hold the connection open until the test is done with it).
+async fn fake_agent<F, Fut>(script: F) -> (String, JoinHandle<()>)
+where
+    F: FnOnce(BufReader<TcpStream>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let task = tokio::spawn(async move {
+        let (s, _) = listener.accept().await.unwrap();
+        script(BufReader::new(s)).await;
+    });
+    (addr, task)
+}
+
+/// The fake agent's side of a genuine handshake: its challenge, the driver's answer checked;
+/// returns the genuine welcome line, not sent yet.
+async fn genuine_challenge(s: &mut BufReader<TcpStream>) -> Vec<u8> {
+    let hs = Handshake::new(SECRET, CONTEXT, Role::Listener).unwrap();
+    let challenge = FromAgent::Challenge {
+        nonce: hs.nonce().to_hex(),
+    };
+    s.get_mut()
+        .write_all(&encode_line(&challenge).unwrap())
+        .await
+        .unwrap();
+    let mut line = Vec::new();
+    s.read_until(b'\n', &mut line).await.unwrap();
+    let Ok(ToAgent::Auth { mac, nonce }) = decode_line::<ToAgent>(&line) else {
+        panic!("no answer to the challenge: {line:?}");
+    };
+    let theirs = Nonce::from_hex(&nonce).unwrap();
+    hs.verify(&theirs, &Tag::from_hex(&mac).unwrap()).unwrap();
+    encode_line(&FromAgent::Welcome {
+        mac: hs.proof(&theirs).to_hex(),
+    })
+    .unwrap()
+}
+
+/// What a fake agent does on the connection: the first line it sends in place of its
+/// challenge, or its welcome after a genuine challenge.
+#[derive(Debug, Clone)]
+enum Fake {
+    /// Sends these bytes and closes.
+    Bytes(Vec<u8>),
+    /// Sends a genuine challenge with these edits, and closes after reading the answer.
+    Challenge(Vec<Edit>),
+    /// Runs a genuine handshake up to the welcome, sends it with these edits, and closes.
+    Welcome(Vec<Edit>),
+}
+
+fn fake() -> impl Strategy<Value = Fake> {
+    prop_oneof![
+        vec(any::<u8>(), 0..256).prop_map(Fake::Bytes),
+        edits().prop_map(Fake::Challenge),
+        edits().prop_map(Fake::Welcome),
+    ]
+}
+
+/// The first line a reader of `bytes` takes (all of them, without a newline).
+fn first_line(bytes: &[u8]) -> &[u8] {
+    bytes.split_inclusive(|&b| b == b'\n').next().unwrap_or(&[])
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The driver's `connect` against fake agents: an error naming the agent, never a panic
+    /// or a hang, and a connection exactly when the welcome it read is the genuine one.
+    #[test]
+    fn connect_trusts_only_a_genuine_welcome(f in fake()) {
+        runtime().block_on(async {
+            let (said_tx, said) = oneshot::channel::<(Vec<u8>, Option<Vec<u8>>)>();
+            let (addr, fake) = fake_agent(move |mut s| async move {
+                let (line, genuine) = match f {
+                    Fake::Bytes(b) => (b, None),
+                    Fake::Challenge(e) => {
+                        let c = encode_line(&FromAgent::Challenge {
+                            nonce: Nonce::fresh().unwrap().to_hex(),
+                        })
+                        .unwrap();
+                        (mutate(c, &e), None)
+                    }
+                    Fake::Welcome(e) => {
+                        let welcome = genuine_challenge(&mut s).await;
+                        (mutate(welcome.clone(), &e), Some(welcome))
+                    }
+                };
+                let _ = s.get_mut().write_all(&line).await;
+                let _ = s.get_mut().shutdown().await;
+                let _ = said_tx.send((line, genuine));
+                // Held open until the driver has read what it needs.
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest).await;
+            })
+            .await;
+            let got = tokio::time::timeout(T, connect(&addr, SECRET, T))
+                .await
+                .expect("connect ends within its timeout");
+            let (sent, genuine) = said.await.unwrap();
+            // A welcome is taken only when it decodes to the genuine one (an edit may only
+            // have added whitespace); the rest of the line is never read.
+            let trusted = genuine.is_some_and(|g| {
+                decode_line::<FromAgent>(first_line(&sent)).ok()
+                    == Some(decode_line::<FromAgent>(&g).unwrap())
+            });
+            match got {
+                Ok(_) => prop_assert!(trusted, "connected to a fake that sent {:?}", sent),
+                Err(e) => {
+                    prop_assert!(!trusted, "the genuine welcome was refused: {}", e);
+                    prop_assert!(e.to_string().contains(&addr), "{} does not name {}", e, addr);
+                }
+            }
+            fake.abort();
+            Ok::<(), TestCaseError>(())
+        })?;
+    }
+
+    /// After the handshake, each line an agent sends comes out of [`Events::next`] as the
+    /// message it decodes to, or as an error naming the agent; the connection goes on, and
+    /// its end is reported as such.
+    #[test]
+    fn each_report_after_the_handshake_is_a_message_or_an_error(
+        lines in vec(prop_oneof![
+            vec(any::<u8>(), 0..128),
+            (from_agent(), edits()).prop_map(|(m, e)| mutate(encode_line(&m).unwrap(), &e)),
+            from_agent().prop_map(|m| encode_line(&m).unwrap()),
+        ], 1..8),
+    ) {
+        // One line each: a newline inside becomes a space, and each ends with one.
+        let lines: Vec<Vec<u8>> = lines
+            .into_iter()
+            .map(|l| {
+                let mut l: Vec<u8> = l
+                    .into_iter()
+                    .filter(|&b| b != b'\n')
+                    .collect();
+                l.push(b'\n');
+                l
+            })
+            .collect();
+        runtime().block_on(async {
+            let sent = lines.clone();
+            let (addr, fake) = fake_agent(move |mut s| async move {
+                let welcome = genuine_challenge(&mut s).await;
+                let w = s.get_mut();
+                w.write_all(&welcome).await.unwrap();
+                for l in &sent {
+                    w.write_all(l).await.unwrap();
+                }
+                w.shutdown().await.unwrap();
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest).await;
+            })
+            .await;
+            let (mut events, _requests) = connect(&addr, SECRET, T).await.unwrap();
+            for l in &lines {
+                let got = tokio::time::timeout(T, events.next()).await.unwrap();
+                match (decode_line::<FromAgent>(l), got) {
+                    (Ok(want), Ok(Some(got))) => prop_assert_eq!(want, got),
+                    (Err(_), Err(e @ AgentError::Malformed { .. })) => {
+                        prop_assert!(e.to_string().contains(&addr), "{}", e);
+                    }
+                    (want, got) => prop_assert!(false, "{:?} read as {:?}", want, got),
+                }
+            }
+            prop_assert!(matches!(events.next().await, Ok(None)));
+            fake.abort();
+            Ok::<(), TestCaseError>(())
+        })?;
+    }
+}
+
+/// An agent that sends a line past the limit after the handshake, or an endless one, gets
+/// an error naming it and the limit; the driver reads no more than the limit and what the
+/// connection buffers.
+#[test]
+fn an_endless_report_is_refused_at_the_limit() {
+    runtime().block_on(async {
+        let (taken_tx, taken) = oneshot::channel();
+        let (addr, fake) = fake_agent(move |mut s| async move {
+            let welcome = genuine_challenge(&mut s).await;
+            s.get_mut().write_all(&welcome).await.unwrap();
+            let sent = endless_line(s.get_mut(), 256 << 20).await;
+            let _ = taken_tx.send(sent);
+        })
+        .await;
+        let (mut events, requests) = connect(&addr, SECRET, T).await.unwrap();
+        let err = tokio::time::timeout(T, events.next())
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(
+            matches!(&err, AgentError::Malformed { source: ProtocolError::TooLong(n), .. }
+                if *n == MAX_LINE + 1),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains(&addr) && text.contains(&MAX_LINE.to_string()),
+            "{text}"
+        );
+        // The driver gives the connection up.
+        drop((events, requests));
+        let sent = tokio::time::timeout(T, taken).await.unwrap().unwrap();
+        assert!((MAX_LINE..BUFFERED).contains(&sent), "{sent} bytes taken");
+        fake.abort();
+    });
 }
