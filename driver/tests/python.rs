@@ -309,3 +309,35 @@ fn the_latency_example_reports_its_calls() {
         "{text}"
     );
 }
+
+/// A worker killed while the job starts (the workers are still importing torch, none has
+/// registered): its host is failed, and the first round forms with the workers left when
+/// they are at least `--min-np`, as after any failure, instead of waiting for `-np` slots.
+#[test]
+fn a_worker_killed_before_the_first_round_leaves_a_smaller_first_round() {
+    let hosts = ["127.0.0.2:2", "127.0.0.3:2"];
+    let mut job = elastic_job("py-early", &hosts, &["-np", "4", "--min-np", "2"]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let victim = loop {
+        if let Some(w) = job.workers().into_iter().find(|w| w.2 == "127.0.0.3") {
+            break w.0;
+        }
+        assert!(std::time::Instant::now() < deadline, "no worker started");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    signal(victim, Signal::SIGKILL);
+    job.wait_step(1, 2);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        !lines
+            .iter()
+            .any(|l| l.v["event"] == "step" && l.v["size"] == 4),
+        "no round of 4 formed"
+    );
+    assert_eq!(check_counter(&lines, 150), 2);
+    assert!(
+        err.contains("worker failed") && err.contains("blacklisted"),
+        "{err}"
+    );
+}

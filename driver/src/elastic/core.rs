@@ -285,6 +285,9 @@ pub struct Core {
     discovery_error: Option<String>,
     /// The drained worker the pending round keeps for the state, as last logged.
     keeping: Option<WorkerId>,
+    /// A worker failed before the first round completed: from then on the job recovers like
+    /// after any failure, with `--min-np` slots, instead of waiting for `-np`.
+    failed_early: bool,
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -322,6 +325,7 @@ impl Core {
             live_at: HashMap::new(),
             discovery_error: None,
             keeping: None,
+            failed_early: false,
         }
     }
 
@@ -712,6 +716,9 @@ impl Core {
         why: &str,
         out: &mut Vec<Action>,
     ) {
+        if self.generation == 0 {
+            self.failed_early = true;
+        }
         let jitter = self.jitter();
         if let Some(b) = self.blacklist.blacklist(host, now, jitter) {
             self.cooldown_ends.insert(host.to_string(), b.until);
@@ -801,6 +808,16 @@ impl Core {
         self.target_with(|_, slots| slots)
     }
 
+    /// How many slots a round needs: `-np` for the job's first, `--min-np` for any after a
+    /// failure (the first included, when a worker fails before it completes).
+    fn slots_needed(&self) -> usize {
+        if self.generation == 0 && !self.failed_early {
+            self.cfg.np
+        } else {
+            self.cfg.min_np
+        }
+    }
+
     /// [`Core::target`] with each host's slots limited by `limit(host, discovered slots)`.
     fn target_with(&self, limit: impl Fn(&str, usize) -> usize) -> Option<Vec<SlotInfo>> {
         // Hosts with a surviving worker of the last round come first, so rank 0 holds its
@@ -827,12 +844,7 @@ impl Core {
             .filter(|h| h.slots > 0)
             .collect();
         let total: usize = hosts.iter().map(|h| h.slots).sum();
-        let need = if self.generation == 0 {
-            self.cfg.np
-        } else {
-            self.cfg.min_np
-        };
-        if total < need.max(1) {
+        if total < self.slots_needed().max(1) {
             return None;
         }
         assign_static(&hosts, total.min(self.cfg.max_np)).ok()
@@ -950,11 +962,7 @@ impl Core {
     fn plan(&mut self, now: Duration, out: &mut Vec<Action>) {
         let Some(target) = self.target() else {
             let since = *self.waiting_since.get_or_insert(now);
-            let need = if self.generation == 0 {
-                self.cfg.np
-            } else {
-                self.cfg.min_np
-            };
+            let need = self.slots_needed();
             if now.saturating_sub(since) >= self.cfg.elastic_timeout {
                 let msg = format!(
                     "timed out after {:.0}s waiting for enough slots: {} available, {} needed \
@@ -1422,6 +1430,36 @@ mod tests {
             w,
             vec![(0, 0, 5), (1, 1, 5), (2, 2, 5), (3, 3, 5), (4, 4, 5)]
         );
+    }
+
+    #[test]
+    fn a_failure_before_the_first_round_completes_recovers_with_min_np() {
+        let mut core = Core::new(cfg(4, 2, 4));
+        let a = core.handle(secs(0), hosts(&[("a", 2), ("b", 2)]));
+        let s = started(&a);
+        assert_eq!(s.len(), 4, "{a:?}");
+        // A worker of b dies while every worker is still starting: b is blacklisted for good.
+        let b0 = s.iter().find(|(_, h)| h == "b").map(|(id, _)| *id).unwrap();
+        core.handle(
+            secs(1),
+            Input::Exited {
+                worker: b0,
+                exit: killed(),
+            },
+        );
+        // The two workers of a are enough (--min-np 2): the round completes with them.
+        let on_a: Vec<WorkerId> = s
+            .iter()
+            .filter(|(_, h)| h == "a")
+            .map(|(id, _)| *id)
+            .collect();
+        assert!(worlds(&core.handle(secs(2), Input::Registered(on_a[0]))).is_empty());
+        let w = worlds(&core.handle(secs(2), Input::Registered(on_a[1])));
+        assert_eq!(w, vec![(0, 0, 2), (1, 1, 2)], "no wait for -np 4 slots");
+        assert_eq!(core.snapshot(secs(2)).phase, JobPhase::Running);
+        // Without a failure, the first round still waits for -np.
+        let mut patient = Core::new(cfg(4, 2, 4));
+        assert!(started(&patient.handle(secs(0), hosts(&[("a", 2)]))).is_empty());
     }
 
     #[test]

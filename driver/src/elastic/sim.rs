@@ -1089,7 +1089,7 @@ impl Sim {
                 self.generation
             );
         } else if message.contains("waiting for enough slots") {
-            let need = if self.generation == 0 {
+            let need = if self.generation == 0 && self.failures.is_empty() {
                 self.sc.np
             } else {
                 self.sc.min_np
@@ -1475,7 +1475,13 @@ impl Sim {
             "round {g} has {n} workers, above --max-np {}",
             self.sc.max_np
         );
-        let need = if g == 1 { self.sc.np } else { self.sc.min_np };
+        // The first round needs -np slots, unless a worker failed before it completed: then
+        // it is a recovery, which needs --min-np.
+        let need = if g == 1 && self.failures.is_empty() {
+            self.sc.np
+        } else {
+            self.sc.min_np
+        };
         ensure!(
             self,
             n >= need.max(1),
