@@ -188,6 +188,13 @@ impl Job {
         }
     }
 
+    /// Takes every line read so far into `seen`, without waiting.
+    pub fn take_available(&mut self) {
+        while let Ok(l) = self.lines.try_recv() {
+            self.seen.push(l);
+        }
+    }
+
     /// Waits up to `within` for a line matching `pred`; `None` when none came.
     pub fn try_wait_for(&mut self, pred: impl Fn(&Line) -> bool, within: Duration) -> Option<Line> {
         if let Some(l) = self.seen.iter().find(|l| pred(l)) {
