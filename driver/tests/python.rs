@@ -341,3 +341,42 @@ fn a_worker_killed_before_the_first_round_leaves_a_smaller_first_round() {
         "{err}"
     );
 }
+
+/// `examples/python/pytorch_elastic.py` with a worker killed in its second epoch: the job
+/// finishes at the smaller size, and every epoch trained every sample.
+#[test]
+fn the_elastic_example_trains_every_sample_through_a_failure() {
+    let dir = scratch("py-example");
+    std::fs::write(dir.join("hosts"), "127.0.0.2:2\n127.0.0.3:2\n").expect("hosts");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+    cmd.args(["-np", "4", "--min-np", "2", "--host-discovery-script"])
+        .arg(dir.join("discover.sh"))
+        .args(["--discovery-interval", "0.2"])
+        .arg(python())
+        .arg(root().join("examples/python/pytorch_elastic.py"))
+        .args(["--epochs", "3", "--batch-ms", "60"]);
+    let mut job = Job::spawn(dir, cmd);
+    job.wait_for("the first epoch at size 4", |l| {
+        l.v["event"] == "epoch" && l.v["size"] == 4
+    });
+    let victim = job
+        .workers()
+        .into_iter()
+        .find(|w| w.2 == "127.0.0.3")
+        .expect("a worker on 127.0.0.3")
+        .0;
+    signal(victim, Signal::SIGKILL);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    let epochs: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|l| l.v["event"] == "epoch")
+        .map(|l| &l.v)
+        .collect();
+    assert_eq!(epochs.len(), 3, "{epochs:?}");
+    for e in &epochs {
+        assert_eq!(e["missing"], 0, "{e}");
+        assert!(e["accuracy"].as_f64().is_some_and(|a| a > 0.9), "{e}");
+    }
+    assert_eq!(epochs[2]["size"], 2, "{epochs:?}");
+}
