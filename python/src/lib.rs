@@ -332,6 +332,80 @@ fn restore_process_sets(py: Python<'_>) -> PyResult<()> {
         .map_err(raise)
 }
 
+/// Looks up process set `id` on this rank.
+fn process_set(id: u32) -> PyResult<hvd::ProcessSet> {
+    hvd::process_sets()
+        .map_err(raise)?
+        .into_iter()
+        .find(|s| s.id == id)
+        .ok_or_else(|| PyValueError::new_err(format!("no process set {id} (removed?)")))
+}
+
+/// Creates a process set of `ranks` (every rank calls it, with the same ranks); returns its
+/// id and its ranks, ascending. The background engine, if it runs, stops first: it holds the
+/// communicator the new set's mesh is built beside.
+#[pyfunction]
+fn add_process_set(py: Python<'_>, ranks: Vec<usize>) -> PyResult<(u32, Vec<usize>)> {
+    py.detach(|| stop_engine().and_then(|()| hvd::add_process_set(&ranks)))
+        .map(|s| (s.id, s.ranks))
+        .map_err(raise)
+}
+
+/// Removes process set `id` on this rank.
+#[pyfunction]
+fn remove_process_set(id: u32) -> PyResult<()> {
+    hvd::remove_process_set(&process_set(id)?).map_err(raise)
+}
+
+/// The process sets of this rank: (id, ranks) each.
+#[pyfunction]
+fn process_sets() -> PyResult<Vec<(u32, Vec<usize>)>> {
+    Ok(hvd::process_sets()
+        .map_err(raise)?
+        .into_iter()
+        .map(|s| (s.id, s.ranks))
+        .collect())
+}
+
+/// [`allreduce_`] among the members of process set `set`.
+#[pyfunction]
+fn allreduce_on_(
+    py: Python<'_>,
+    set: u32,
+    address: usize,
+    count: usize,
+    dtype: &str,
+    op: &str,
+) -> PyResult<()> {
+    let op = op_from(op)?;
+    let set = process_set(set)?;
+    let region = Region::new(address, count, DType::parse(dtype)?)?;
+    py.detach(|| region.with_mut(|buf| buf.allreduce_on(&set, op)))
+        .map_err(raise)
+}
+
+/// [`broadcast_`] among the members of process set `set`; `root` is a global rank.
+#[pyfunction]
+fn broadcast_on_(
+    py: Python<'_>,
+    set: u32,
+    address: usize,
+    count: usize,
+    dtype: &str,
+    root: usize,
+) -> PyResult<()> {
+    let set = process_set(set)?;
+    let Some(root_in_set) = set.ranks.iter().position(|&r| r == root) else {
+        return Err(PyValueError::new_err(format!(
+            "root rank {root} is not in process set {} (ranks {:?})",
+            set.id, set.ranks
+        )));
+    };
+    let region = Region::new(address, count, DType::parse(dtype)?)?;
+    py.detach(|| region.with_mut(|buf| buf.broadcast_on(&set, root_in_set)))
+        .map_err(raise)
+}
+
 fn gather_error(e: GatherError) -> PyErr {
     match e {
         GatherError::Hvd(e) => raise(e),
@@ -399,6 +473,11 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(broadcast_async_, m)?)?;
     m.add_class::<AsyncHandle>()?;
     for f in [
+        wrap_pyfunction!(add_process_set, m)?,
+        wrap_pyfunction!(remove_process_set, m)?,
+        wrap_pyfunction!(process_sets, m)?,
+        wrap_pyfunction!(allreduce_on_, m)?,
+        wrap_pyfunction!(broadcast_on_, m)?,
         wrap_pyfunction!(allgather_into, m)?,
         wrap_pyfunction!(alltoall_into, m)?,
         wrap_pyfunction!(rejoin, m)?,

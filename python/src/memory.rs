@@ -100,6 +100,16 @@ impl Slice<'_> {
     pub fn broadcast(self, root: usize) -> hvd::Result<()> {
         each!(self, b => hvd::broadcast(b, root))
     }
+
+    /// [`hvd::allreduce_on`] on the slice.
+    pub fn allreduce_on(self, set: &hvd::ProcessSet, op: ReduceOp) -> hvd::Result<()> {
+        each!(self, b => hvd::allreduce_on(set, b, op))
+    }
+
+    /// A broadcast among `set`'s members from its member `root` (an index into its ranks).
+    pub fn broadcast_on(self, set: &hvd::ProcessSet, root: usize) -> hvd::Result<()> {
+        each!(self, b => hvd::with_process_set(set, |c| c.broadcast(b, root)))
+    }
 }
 
 impl Region {

@@ -207,6 +207,41 @@ def main():
     assert torch.equal(hvd.allreduce(torch.ones(4), op=hvd.Sum), torch.full((4,), float(n)))
     cases += 5
 
+    # Process sets: the even ranks, and (with two ranks or more) the odd ones. Adding one
+    # while the background engine runs stops it first.
+    even = hvd.add_process_set([p for p in range(n) if p % 2 == 0])
+    odd = hvd.add_process_set([p for p in range(n) if p % 2 == 1]) if n > 1 else None
+    mine, other = (even, odd) if r % 2 == 0 else (odd, even)
+    assert mine.included() and mine.size() == len(mine.ranks)
+    got = hvd.allreduce(torch.ones(3), op=hvd.Sum, process_set=mine)
+    assert torch.equal(got, torch.full((3,), float(mine.size()))), got
+    avg = hvd.allreduce(torch.full((2,), float(r)), process_set=mine)
+    assert torch.equal(avg, torch.full((2,), sum(mine.ranks) / mine.size())), avg
+    b = hvd.broadcast(torch.full((4,), float(r)), root_rank=mine.ranks[-1], process_set=mine)
+    assert torch.equal(b, torch.full((4,), float(mine.ranks[-1]))), b
+    h = hvd.allreduce_async(torch.ones(2), op=hvd.Sum, process_set=mine)
+    assert hvd.poll(h) and torch.equal(hvd.synchronize(h), torch.full((2,), float(mine.size())))
+    if other is not None:
+        assert not other.included()
+        try:
+            hvd.allreduce(torch.ones(1), process_set=other)
+        except RuntimeError as e:
+            assert "process set" in str(e), str(e)
+        else:
+            raise AssertionError("a collective on a set this rank is not in went through")
+    # The whole job's collectives and the engine go on beside the sets.
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    h = hvd.allreduce_async(torch.ones(2), op=hvd.Sum)
+    assert torch.equal(hvd.synchronize(h), torch.full((2,), float(n)))
+    hvd.remove_process_set(even)
+    try:
+        hvd.allreduce(torch.ones(1), process_set=even)
+    except ValueError as e:
+        assert "not an added process set" in str(e), str(e)
+    else:
+        raise AssertionError("a removed process set still reduced")
+    cases += 4
+
     hvd.barrier()
     print(f"collectives ok: rank {r} of {n}, {cases} cases", flush=True)
     hvd.shutdown()

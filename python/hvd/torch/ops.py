@@ -35,9 +35,9 @@ def init(comm=None, process_sets=None):
     """Joins the job ``horovodrun`` started this process in; a world of one without it."""
     if comm is not None:
         raise ValueError("hvd.init(comm=...) is MPI's; hvd runs without MPI")
-    if process_sets is not None:
-        raise NotImplementedError("process sets at init are not supported yet")
     _hvd.init()
+    for ps in process_sets or []:
+        add_process_set(ps)
 
 
 def shutdown():
@@ -105,6 +105,74 @@ def mpi_enabled():
     return False
 
 
+class ProcessSet:
+    """A subset of the ranks that collectives can run among (``process_set=``). Create it on
+    every rank with ``add_process_set``; ``global_process_set`` is the whole job."""
+
+    def __init__(self, ranks):
+        self.ranks = sorted(int(r) for r in ranks)
+        self.process_set_id = None
+
+    def included(self):
+        """Whether this rank is a member."""
+        return self is global_process_set or rank() in self.ranks
+
+    def rank(self):
+        """This rank's index among the members."""
+        return rank() if self is global_process_set else self.ranks.index(rank())
+
+    def size(self):
+        """The number of members."""
+        return size() if self is global_process_set else len(self.ranks)
+
+    def __repr__(self):
+        if self is global_process_set:
+            return "ProcessSet(global)"
+        return f"ProcessSet(id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet([])
+
+
+def add_process_set(process_set):
+    """Creates ``process_set`` (a ``ProcessSet`` or a list of ranks) on this rank; every rank
+    must call it with the same ranks, in the same order of calls. Returns the set."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.process_set_id is not None:
+        raise ValueError(f"{ps!r} was added already")
+    ps.process_set_id, ps.ranks = _hvd.add_process_set(ps.ranks)
+    return ps
+
+
+def remove_process_set(process_set):
+    """Removes ``process_set`` on this rank; every rank should remove it too."""
+    if process_set is global_process_set or process_set.process_set_id is None:
+        raise ValueError(f"{process_set!r} is not an added process set")
+    _hvd.remove_process_set(process_set.process_set_id)
+    process_set.process_set_id = None
+
+
+def _set_id(process_set):
+    """The native id of ``process_set``, or None for the whole job."""
+    if process_set is None or process_set is global_process_set:
+        return None
+    if not isinstance(process_set, ProcessSet) or process_set.process_set_id is None:
+        raise ValueError(f"{process_set!r} is not an added process set: call "
+                         f"hvd.add_process_set first")
+    return process_set.process_set_id
+
+
+class _Done:
+    """The handle of an op that already ran (asynchronous calls on a process set run at
+    once: the background engine serves the whole job)."""
+
+    def poll(self):
+        return True
+
+    def wait(self):
+        return None
+
+
 def _dtype_name(tensor):
     return str(tensor.dtype).replace("torch.", "")
 
@@ -152,33 +220,44 @@ def _scale(tensor, factor, which):
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0):
-    """Reduces ``tensor`` across all ranks in place (default: the average) and returns it."""
+               postscale_factor=1.0, process_set=None):
+    """Reduces ``tensor`` across all ranks (or ``process_set``'s) in place (default: the
+    average) and returns it."""
     op = _op_of(average, op)
+    sid = _set_id(process_set)
     _scale(tensor, prescale_factor, "prescale_factor")
-    _in_place(tensor, lambda a, n, d: _hvd.allreduce_(a, n, d, op.name))
+    if sid is None:
+        _in_place(tensor, lambda a, n, d: _hvd.allreduce_(a, n, d, op.name))
+    else:
+        _in_place(tensor, lambda a, n, d: _hvd.allreduce_on_(sid, a, n, d, op.name))
     _scale(tensor, postscale_factor, "postscale_factor")
     return tensor
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0):
-    """Returns the reduction of ``tensor`` across all ranks (default: the average), sent as
-    ``compression`` says; the input is left as it was."""
+              prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+    """Returns the reduction of ``tensor`` across all ranks or ``process_set``'s (default:
+    the average), sent as ``compression`` says; the input is left as it was."""
     wire, ctx = compression.compress(_tensor(tensor).detach().clone())
     out = allreduce_(wire, average=average, name=name, op=op,
-                     prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                     prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                     process_set=process_set)
     return compression.decompress(out, ctx)
 
 
-def broadcast_(tensor, root_rank, name=None):
-    """Copies ``tensor`` from ``root_rank`` to every rank, in place, and returns it."""
-    return _in_place(tensor, lambda a, n, d: _hvd.broadcast_(a, n, d, root_rank))
+def broadcast_(tensor, root_rank, name=None, process_set=None):
+    """Copies ``tensor`` from ``root_rank`` (a global rank) to every rank (of
+    ``process_set``), in place, and returns it."""
+    sid = _set_id(process_set)
+    if sid is None:
+        return _in_place(tensor, lambda a, n, d: _hvd.broadcast_(a, n, d, root_rank))
+    return _in_place(tensor, lambda a, n, d: _hvd.broadcast_on_(sid, a, n, d, root_rank))
 
 
-def broadcast(tensor, root_rank, name=None):
+def broadcast(tensor, root_rank, name=None, process_set=None):
     """Returns ``root_rank``'s ``tensor`` on every rank; the input is left as it was."""
-    return broadcast_(_tensor(tensor).detach().clone(), root_rank, name=name)
+    return broadcast_(_tensor(tensor).detach().clone(), root_rank, name=name,
+                      process_set=process_set)
 
 
 def broadcast_parameters(params, root_rank):
@@ -258,10 +337,16 @@ def synchronize(handle):
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0):
+                     postscale_factor=1.0, process_set=None):
     """Starts reducing ``tensor`` across all ranks in place; returns a handle for
-    ``synchronize``/``poll``. The tensor must not be used until then."""
+    ``synchronize``/``poll``. The tensor must not be used until then. On a process set the
+    op runs at once (the background engine serves the whole job)."""
     op = _op_of(average, op)
+    sid = _set_id(process_set)
+    if sid is not None:
+        allreduce_(tensor, op=op, prescale_factor=prescale_factor,
+                   postscale_factor=postscale_factor, process_set=process_set)
+        return _submit(tensor, lambda a, n, d, owner: _Done(), lambda t: None)
     _scale(tensor, prescale_factor, "prescale_factor")
     name = _name("allreduce", name)
     return _submit(
@@ -271,11 +356,11 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0):
+                    postscale_factor=1.0, process_set=None):
     """Starts reducing a copy of ``tensor``; ``synchronize`` returns the result."""
     return allreduce_async_(_tensor(tensor).detach().clone(), average=average, name=name,
                             op=op, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor)
+                            postscale_factor=postscale_factor, process_set=process_set)
 
 
 def _contiguous_cpu(tensor):
@@ -485,6 +570,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 
 __all__ = [
+    "ProcessSet", "add_process_set", "global_process_set", "remove_process_set",
     "allgather", "allgather_object", "alltoall", "reducescatter",
     "Compression", "broadcast_object", "broadcast_optimizer_state",
     "allreduce_async", "allreduce_async_", "broadcast_async", "broadcast_async_",

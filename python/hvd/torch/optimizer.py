@@ -19,7 +19,7 @@ class _DistributedOptimizer:
     """Methods mixed into a subclass of the user's optimizer class."""
 
     def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor):
+                   gradient_predivide_factor, process_set):
         if op is _ops.Adasum:
             raise NotImplementedError(
                 "DistributedOptimizer(op=hvd.Adasum) is not supported yet: use hvd.Average")
@@ -50,6 +50,7 @@ class _DistributedOptimizer:
                         for i, group in enumerate(self.param_groups)
                         for j, p in enumerate(group["params"])}
         self._hvd_names = by_param
+        self._hvd_set = process_set
         self._hvd_compression = compression
         self._hvd_passes = backward_passes_per_step
         self._hvd_op = op
@@ -82,7 +83,7 @@ class _DistributedOptimizer:
             pre, post = 1.0, 1.0
         handle = _ops.allreduce_async_(compressed, name=self._hvd_names[id(p)],
                                        op=self._hvd_op, prescale_factor=pre,
-                                       postscale_factor=post)
+                                       postscale_factor=post, process_set=self._hvd_set)
         return handle, ctx
 
     def synchronize(self):
@@ -158,13 +159,11 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     """
     if groups is not None:
         raise NotImplementedError("DistributedOptimizer(groups=...) is not supported yet")
-    if process_set is not None:
-        raise NotImplementedError("DistributedOptimizer(process_set=...) is not supported yet")
     methods = {k: v for k, v in _DistributedOptimizer.__dict__.items()
                if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     opt = cls.__new__(cls)
     optimizer.__class__.__init__(opt, optimizer.param_groups)
     opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor)
+                   gradient_predivide_factor, process_set)
     return opt
