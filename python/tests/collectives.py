@@ -207,6 +207,15 @@ def main():
     assert torch.equal(hvd.allreduce(torch.ones(4), op=hvd.Sum), torch.full((4,), float(n)))
     cases += 5
 
+    # allreduce is differentiable: the gradient is the same allreduce of the output's.
+    w = torch.full((3,), float(r + 1), requires_grad=True)
+    (hvd.allreduce(w, op=hvd.Sum) * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert torch.equal(w.grad, torch.tensor([1.0, 2.0, 3.0]) * n), w.grad
+    w.grad = None
+    hvd.allreduce(w).sum().backward()
+    assert torch.equal(w.grad, torch.ones(3)), w.grad
+    cases += 1
+
     # Process sets: the even ranks, and (with two ranks or more) the odd ones. Adding one
     # while the background engine runs stops it first.
     even = hvd.add_process_set([p for p in range(n) if p % 2 == 0])

@@ -234,14 +234,39 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     return tensor
 
 
+class _Allreduce(_torch.autograd.Function):
+    """An allreduce that autograd differentiates: its gradient is the same allreduce of the
+    output's gradient (as in Horovod)."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, compression, prescale, postscale, process_set):
+        ctx.args = (op, prescale, postscale, process_set)
+        wire, cctx = compression.compress(tensor.detach().clone())
+        out = allreduce_(wire, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                         process_set=process_set)
+        return compression.decompress(out, cctx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, prescale, postscale, process_set = ctx.args
+        g = allreduce_(grad.detach().clone().contiguous(), op=op, prescale_factor=prescale,
+                       postscale_factor=postscale, process_set=process_set)
+        return g, None, None, None, None, None
+
+
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """Returns the reduction of ``tensor`` across all ranks or ``process_set``'s (default:
-    the average), sent as ``compression`` says; the input is left as it was."""
-    wire, ctx = compression.compress(_tensor(tensor).detach().clone())
-    out = allreduce_(wire, average=average, name=name, op=op,
-                     prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                     process_set=process_set)
+    the average), sent as ``compression`` says; the input is left as it was. Autograd
+    differentiates it: the gradient is the same allreduce of the output's gradient."""
+    op = _op_of(average, op)
+    _tensor(tensor)
+    if tensor.requires_grad and _torch.is_grad_enabled():
+        return _Allreduce.apply(tensor, op, compression, prescale_factor, postscale_factor,
+                                process_set)
+    wire, ctx = compression.compress(tensor.detach().clone())
+    out = allreduce_(wire, op=op, prescale_factor=prescale_factor,
+                     postscale_factor=postscale_factor, process_set=process_set)
     return compression.decompress(out, ctx)
 
 
