@@ -380,3 +380,45 @@ fn the_elastic_example_trains_every_sample_through_a_failure() {
     }
     assert_eq!(epochs[2]["size"], 2, "{epochs:?}");
 }
+
+#[test]
+fn an_elastic_torch_job_survives_losing_rank_0s_host() {
+    let hosts = ["127.0.0.2:2", "127.0.0.3:2"];
+    let mut job = elastic_job("py-rank0", &hosts, &["-np", "4", "--min-np", "2"]);
+    job.wait_step(15, 4);
+    let rank0 = job.pid_of_rank(0);
+    let host = job
+        .workers()
+        .into_iter()
+        .find(|w| w.0 == rank0)
+        .map(|w| w.2)
+        .expect("rank 0's host");
+    for pid in job.pids_on(&host) {
+        signal(pid, Signal::SIGKILL);
+    }
+    job.wait_step(1, 2);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 150), 2);
+    for d in lines.iter().filter(|l| l.v["event"] == "done") {
+        assert_eq!(d.v["weight"], -150.0, "{}", d.v);
+    }
+}
+
+#[test]
+fn an_elastic_torch_job_shrinks_gracefully_when_a_host_is_removed() {
+    let hosts = ["127.0.0.2:2", "127.0.0.3:2"];
+    let mut job = elastic_job("py-remove", &hosts, &["-np", "4", "--min-np", "2"]);
+    job.wait_step(15, 4);
+    job.set_hosts(&["127.0.0.2:2"]);
+    job.wait_step(1, 2);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 150), 2);
+    assert_eq!(
+        steps_rerun(&lines),
+        0,
+        "a graceful removal rolls nothing back"
+    );
+    assert!(!err.contains("worker failed"), "{err}");
+}
