@@ -146,7 +146,7 @@ def main():
         cases += 1
     assert hvd.allgather_object({"rank": r}) == [{"rank": p} for p in range(n)]
     # alltoall: rank p sends (p + q) % 3 rows to rank q.
-    for dtype in (torch.int64, torch.float32, torch.bfloat16):
+    for dtype in DTYPES:
         case += 1
         sends = {p: [(p + q) % 3 for q in range(n)] for p in range(n)}
         inputs = {p: data(p, case, 2 * sum(sends[p]), dtype).reshape(-1, 2) for p in range(n)}
