@@ -422,3 +422,25 @@ fn an_elastic_torch_job_shrinks_gracefully_when_a_host_is_removed() {
     );
     assert!(!err.contains("worker failed"), "{err}");
 }
+
+/// The README's spot demo with the PyTorch counter: every check of its timeline passes.
+#[test]
+fn the_spot_demo_passes_with_the_pytorch_counter() {
+    let profile = target_dir().join("debug");
+    assert!(
+        profile.join("examples/elastic_counter").exists(),
+        "run the tests with `cargo test --workspace`, which builds the examples"
+    );
+    let out = Command::new(root().join("examples/spot/spot.sh"))
+        .args(["--debug", "--python"])
+        .current_dir(root())
+        .env("HVD_PYTHON", python())
+        .output()
+        .expect("spot.sh");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.trim_end().ends_with("PASS"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -2,7 +2,11 @@
 # Spot-instance simulation: an elastic horovodrun job on loopback "hosts" that come and go the
 # way spot instances do, with an exactness check at the end. See examples/spot/README.md.
 #
-#   examples/spot/spot.sh [--release|--debug]      (from the repository root)
+#   examples/spot/spot.sh [--release|--debug] [--python]      (from the repository root)
+#
+# --python trains the PyTorch counter (python/tests/elastic_train.py: a TorchState with a model
+# and a DistributedOptimizer) instead of the Rust one; it needs the hvd package installed in
+# $HVD_PYTHON (default python3): pip install ./python.
 #
 # Timeline (each step waits for training to be seen at the expected size, with a timeout):
 #   start  127.0.0.2:2 + 127.0.0.3:2                        size 4
@@ -16,17 +20,20 @@
 set -euo pipefail
 
 usage() {
-    echo "usage: examples/spot/spot.sh [--release|--debug]   (run it from the repository root)"
+    echo "usage: examples/spot/spot.sh [--release|--debug] [--python]   (run it from the repository root)"
 }
 
 profile=release
-case "${1:-}" in
-    "" | --release) profile=release ;;
-    --debug) profile=debug ;;
-    -h | --help) usage; exit 0 ;;
-    *) usage >&2; exit 64 ;;
-esac
-[[ $# -le 1 ]] || { usage >&2; exit 64; }
+python=""
+for arg in "$@"; do
+    case "$arg" in
+        --release) profile=release ;;
+        --debug) profile=debug ;;
+        --python) python=${HVD_PYTHON:-python3} ;;
+        -h | --help) usage; exit 0 ;;
+        *) usage >&2; exit 64 ;;
+    esac
+done
 
 # ---- knobs -------------------------------------------------------------------------------------
 STEPS=600
@@ -52,6 +59,15 @@ if [[ ! -x $hvdrun || ! -x $counter ]]; then
     exit 1
 fi
 command -v python3 >/dev/null || { echo "spot.sh: python3 is needed for the summary" >&2; exit 1; }
+if [[ -n $python ]]; then
+    "$python" -c "import hvd.torch" 2>/dev/null || {
+        echo "spot.sh: --python needs the hvd package in $python: pip install ./python" >&2
+        exit 1
+    }
+    counter_cmd=("$python" python/tests/elastic_train.py)
+else
+    counter_cmd=("$counter")
+fi
 [[ -n ${EPOCHREALTIME:-} ]] || { echo "spot.sh: needs bash 5 or later" >&2; exit 1; }
 [[ -r /proc/self/environ ]] || { echo "spot.sh: needs Linux /proc to find worker processes" >&2; exit 1; }
 
@@ -197,7 +213,7 @@ write_fleet
 cmd=("$hvdrun" -np 4 --min-np 2 --max-np 6
     --host-discovery-script examples/spot/discover.sh --discovery-interval 0.5
     --blacklist-cooldown-range 2 10
-    "$counter" --steps "$STEPS" --commit-every "$COMMIT_EVERY" --step-ms "$STEP_MS")
+    "${counter_cmd[@]}" --steps "$STEPS" --commit-every "$COMMIT_EVERY" --step-ms "$STEP_MS")
 echo "   \$ ${cmd[*]}"
 t0_us=${EPOCHREALTIME//[.,]/}
 t0_day=$(( t0_us / 1000 % 86400000 ))

@@ -20,7 +20,7 @@ import hvd.torch as hvd
 
 
 def emit(event):
-    print(json.dumps(event), flush=True)
+    print(json.dumps(event, separators=(",", ":")), flush=True)
 
 
 def main():
