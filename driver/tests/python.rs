@@ -223,8 +223,9 @@ fn an_elastic_torch_job_grows_when_a_host_is_added() {
     assert_eq!(steps_rerun(&lines), 0, "a host change rolls nothing back");
 }
 
-/// Runs `cmd` (the synthetic benchmark) to success and returns its JSON summary line.
-fn summary(cmd: &mut Command) -> serde_json::Value {
+/// Runs `cmd` (a benchmark example) to success and returns its JSON summary line, the one
+/// holding `key`.
+fn summary(cmd: &mut Command, key: &str) -> serde_json::Value {
     let out = cmd.output().expect("the benchmark runs");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -235,7 +236,7 @@ fn summary(cmd: &mut Command) -> serde_json::Value {
     let line = text
         .lines()
         .filter_map(|l| l.split_once('{').map(|(_, rest)| format!("{{{rest}")))
-        .find(|l| l.contains("\"img_sec_total\""))
+        .find(|l| l.contains(&format!("\"{key}\"")))
         .unwrap_or_else(|| panic!("no summary line in:\n{text}"));
     serde_json::from_str(&line).expect("the summary is JSON")
 }
@@ -264,6 +265,7 @@ fn the_synthetic_benchmark_runs_under_hvd_and_under_ddp() {
             .arg(python())
             .arg(&script)
             .args(BENCH),
+        "img_sec_total",
     );
     assert_eq!(
         (s["system"].as_str(), s["ranks"].as_u64()),
@@ -272,10 +274,7 @@ fn the_synthetic_benchmark_runs_under_hvd_and_under_ddp() {
     );
     assert!(s["img_sec_total"].as_f64().is_some_and(|r| r > 0.0), "{s}");
     // The same script under torchrun, on a free port of its own.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port");
+    let port = free_port();
     let s = summary(
         Command::new(python())
             .args(["-m", "torch.distributed.run", "--nproc_per_node", "2"])
@@ -283,6 +282,7 @@ fn the_synthetic_benchmark_runs_under_hvd_and_under_ddp() {
             .arg(&script)
             .arg("--ddp")
             .args(BENCH),
+        "img_sec_total",
     );
     assert_eq!(s["system"], "DDP over Gloo", "{s}");
     assert_eq!(s["ranks"], 2, "{s}");
@@ -443,4 +443,42 @@ fn the_spot_demo_passes_with_the_pytorch_counter() {
         "{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// A free TCP port for torchrun's store.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+#[test]
+fn the_gradient_sync_benchmark_runs_under_hvd_and_under_gloo() {
+    let script = root().join("examples/python/grad_sync_bench.py");
+    let small = ["--model", "small", "--iters", "2", "--warmup", "1"];
+    let s = summary(
+        Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+            .args(["-np", "2", "-H", "127.0.0.1:2"])
+            .arg(python())
+            .arg(&script)
+            .args(small),
+        "median_ms",
+    );
+    assert_eq!(
+        (s["system"].as_str(), s["tensors"].as_u64()),
+        (Some("hvd"), Some(5)),
+        "{s}"
+    );
+    let s = summary(
+        Command::new(python())
+            .args(["-m", "torch.distributed.run", "--nproc_per_node", "2"])
+            .arg(format!("--master_port={}", free_port()))
+            .arg(&script)
+            .arg("--gloo")
+            .args(small),
+        "median_ms",
+    );
+    assert_eq!(s["system"], "DDP buckets over Gloo", "{s}");
+    assert!(s["median_ms"].as_f64().is_some_and(|m| m > 0.0), "{s}");
 }
