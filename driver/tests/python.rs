@@ -104,12 +104,36 @@ fn set_up() -> Result<PathBuf, String> {
     Ok(python)
 }
 
+/// `horovodrun` running the Python script `script` as `np` ranks on this host.
+fn under_hvd(np: usize, script: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+    cmd.args(["-np", &np.to_string(), "-H", &format!("127.0.0.1:{np}")])
+        .arg(python())
+        .arg(script);
+    cmd
+}
+
+/// `torchrun` running the Python script `script` as `np` ranks, its store on a free port.
+fn under_torchrun(np: usize, script: &Path) -> Command {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let mut cmd = Command::new(python());
+    cmd.args([
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        &np.to_string(),
+    ])
+    .arg(format!("--master_port={port}"))
+    .arg(script);
+    cmd
+}
+
 /// Runs `script` (under `python/tests/`) as `np` ranks on this host through `horovodrun`.
 fn horovodrun(np: usize, script: &str) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
-        .args(["-np", &np.to_string(), "-H", &format!("127.0.0.1:{np}")])
-        .arg(python())
-        .arg(root().join("python/tests").join(script))
+    let out = under_hvd(np, &root().join("python/tests").join(script))
         .output()
         .expect("horovodrun");
     (
@@ -170,6 +194,12 @@ const TRAIN: &[&str] = &["--steps", "150", "--commit-every", "5", "--step-ms", "
 
 /// `python/tests/elastic_train.py` as an elastic job over `hosts` (what discovery prints).
 fn elastic_job(name: &str, hosts: &[&str], flags: &[&str]) -> Job {
+    elastic_script(name, hosts, flags, "python/tests/elastic_train.py", TRAIN)
+}
+
+/// The Python script `script` (from the repository's root) with `args`, as an elastic job
+/// over `hosts`.
+fn elastic_script(name: &str, hosts: &[&str], flags: &[&str], script: &str, args: &[&str]) -> Job {
     let dir = scratch(name);
     std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n").expect("hosts");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
@@ -178,8 +208,8 @@ fn elastic_job(name: &str, hosts: &[&str], flags: &[&str]) -> Job {
         .arg(dir.join("discover.sh"))
         .args(["--discovery-interval", "0.2"])
         .arg(python())
-        .arg(root().join("python/tests/elastic_train.py"))
-        .args(TRAIN);
+        .arg(root().join(script))
+        .args(args);
     Job::spawn(dir, cmd)
 }
 
@@ -259,29 +289,16 @@ const BENCH: &[&str] = &[
 #[test]
 fn the_synthetic_benchmark_runs_under_hvd_and_under_ddp() {
     let script = root().join("examples/python/pytorch_synthetic_benchmark.py");
-    let s = summary(
-        Command::new(env!("CARGO_BIN_EXE_horovodrun"))
-            .args(["-np", "2", "-H", "127.0.0.1:2"])
-            .arg(python())
-            .arg(&script)
-            .args(BENCH),
-        "img_sec_total",
-    );
+    let s = summary(under_hvd(2, &script).args(BENCH), "img_sec_total");
     assert_eq!(
         (s["system"].as_str(), s["ranks"].as_u64()),
         (Some("hvd"), Some(2)),
         "{s}"
     );
     assert!(s["img_sec_total"].as_f64().is_some_and(|r| r > 0.0), "{s}");
-    // The same script under torchrun, on a free port of its own.
-    let port = free_port();
+    // The same script under torchrun.
     let s = summary(
-        Command::new(python())
-            .args(["-m", "torch.distributed.run", "--nproc_per_node", "2"])
-            .arg(format!("--master_port={port}"))
-            .arg(&script)
-            .arg("--ddp")
-            .args(BENCH),
+        under_torchrun(2, &script).arg("--ddp").args(BENCH),
         "img_sec_total",
     );
     assert_eq!(s["system"], "DDP over Gloo", "{s}");
@@ -290,10 +307,7 @@ fn the_synthetic_benchmark_runs_under_hvd_and_under_ddp() {
 
 #[test]
 fn the_latency_example_reports_its_calls() {
-    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
-        .args(["-np", "2", "-H", "127.0.0.1:2"])
-        .arg(python())
-        .arg(root().join("examples/python/allreduce_latency.py"))
+    let out = under_hvd(2, &root().join("examples/python/allreduce_latency.py"))
         .args(["--iters", "50", "--warmup", "5"])
         .output()
         .expect("horovodrun");
@@ -346,16 +360,13 @@ fn a_worker_killed_before_the_first_round_leaves_a_smaller_first_round() {
 /// finishes at the smaller size, and every epoch trained every sample.
 #[test]
 fn the_elastic_example_trains_every_sample_through_a_failure() {
-    let dir = scratch("py-example");
-    std::fs::write(dir.join("hosts"), "127.0.0.2:2\n127.0.0.3:2\n").expect("hosts");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
-    cmd.args(["-np", "4", "--min-np", "2", "--host-discovery-script"])
-        .arg(dir.join("discover.sh"))
-        .args(["--discovery-interval", "0.2"])
-        .arg(python())
-        .arg(root().join("examples/python/pytorch_elastic.py"))
-        .args(["--epochs", "3", "--batch-ms", "60"]);
-    let mut job = Job::spawn(dir, cmd);
+    let mut job = elastic_script(
+        "py-example",
+        &["127.0.0.2:2", "127.0.0.3:2"],
+        &["-np", "4", "--min-np", "2"],
+        "examples/python/pytorch_elastic.py",
+        &["--epochs", "3", "--batch-ms", "60"],
+    );
     job.wait_for("the first epoch at size 4", |l| {
         l.v["event"] == "epoch" && l.v["size"] == 4
     });
@@ -445,38 +456,18 @@ fn the_spot_demo_passes_with_the_pytorch_counter() {
     );
 }
 
-/// A free TCP port for torchrun's store.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 #[test]
 fn the_gradient_sync_benchmark_runs_under_hvd_and_under_gloo() {
     let script = root().join("examples/python/grad_sync_bench.py");
     let small = ["--model", "small", "--iters", "2", "--warmup", "1"];
-    let s = summary(
-        Command::new(env!("CARGO_BIN_EXE_horovodrun"))
-            .args(["-np", "2", "-H", "127.0.0.1:2"])
-            .arg(python())
-            .arg(&script)
-            .args(small),
-        "median_ms",
-    );
+    let s = summary(under_hvd(2, &script).args(small), "median_ms");
     assert_eq!(
         (s["system"].as_str(), s["tensors"].as_u64()),
         (Some("hvd"), Some(5)),
         "{s}"
     );
     let s = summary(
-        Command::new(python())
-            .args(["-m", "torch.distributed.run", "--nproc_per_node", "2"])
-            .arg(format!("--master_port={}", free_port()))
-            .arg(&script)
-            .arg("--gloo")
-            .args(small),
+        under_torchrun(2, &script).arg("--gloo").args(small),
         "median_ms",
     );
     assert_eq!(s["system"], "DDP buckets over Gloo", "{s}");
