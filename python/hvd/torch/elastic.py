@@ -58,12 +58,9 @@ class State:
     def sync(self):
         """Makes every rank hold the newest committed state: that of the lowest rank among
         those with the most commits."""
-        mine = torch.tensor([self._commits], dtype=torch.int64)
-        most = int(_ops.allreduce(mine, op=_ops.Max).item())
-        candidate = _ops.rank() if self._commits == most else _ops.size()
-        root = int(_ops.allreduce(torch.tensor([candidate], dtype=torch.int64),
-                                  op=_ops.Min).item())
-        self._sync_from(root)
+        commits = _ops._gather_counts(self._commits)
+        most = max(commits)
+        self._sync_from(commits.index(most))
         self.save()
         self._commits = most
         self._handled_update = max(self._handled_update, _hvd.updates_through())
