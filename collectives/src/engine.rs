@@ -308,6 +308,9 @@ impl<T: Element, R: 'static> Handle<T, R> {
 
 enum Command {
     Op(Request),
+    /// This rank has no more ops of its own (Horovod's `join`): the reply is the rank that
+    /// joined last, once every rank has.
+    Join(mpsc::Sender<Result<usize>>),
     Stop,
 }
 
@@ -438,6 +441,23 @@ impl std::ops::Deref for Engine {
 }
 
 impl Submitter {
+    /// Declares that this rank has no more ops to submit (Horovod's `join`) and waits until
+    /// every rank has: until then this rank takes part in the others' allreduces with zeros.
+    /// Returns the rank that joined last. Other collectives submitted while a rank is joined
+    /// fail with an error naming it (as in Horovod, only allreduce can run then).
+    ///
+    /// # Errors
+    /// [`CommError::InvalidArgument`] when this rank has already joined;
+    /// [`CommError::Broken`] when the engine stops or fails first.
+    pub fn join(&self) -> Result<usize> {
+        let (reply, rx) = mpsc::channel();
+        let gone = || CommError::Broken {
+            cause: "the engine stopped".into(),
+        };
+        self.tx.send(Command::Join(reply)).map_err(|_| gone())?;
+        rx.recv().map_err(|_| gone())?
+    }
+
     /// [`Submitter::allreduce_async`] of an f32 tensor sent as `compression` says; the result
     /// comes back as f32.
     pub fn allreduce_async_f32(
@@ -519,6 +539,8 @@ enum Entry {
 #[derive(Debug, Default, Clone, PartialEq)]
 struct Announce {
     stopping: bool,
+    /// This rank has joined (see [`Submitter::join`]).
+    joined: bool,
     /// Rank 0's clock (milliseconds since its engine started); the stall clock of all ranks.
     clock_ms: u64,
     /// Every pending op, in submission order.
@@ -528,7 +550,7 @@ struct Announce {
 impl Announce {
     fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(16 + self.ops.len() * 8);
-        b.push(u8::from(self.stopping));
+        b.push(u8::from(self.stopping) | (u8::from(self.joined) << 1));
         b.extend_from_slice(&self.clock_ms.to_le_bytes());
         b.extend_from_slice(&(self.ops.len() as u32).to_le_bytes());
         for e in &self.ops {
@@ -561,7 +583,8 @@ impl Announce {
         };
         let u64_at = |s: &[u8]| -> Option<u64> { Some(u64::from_le_bytes(s.try_into().ok()?)) };
         let u32_at = |s: &[u8]| -> Option<u32> { Some(u32::from_le_bytes(s.try_into().ok()?)) };
-        let stopping = take(1)?[0] != 0;
+        let flags = take(1)?[0];
+        let (stopping, joined) = (flags & 1 != 0, flags & 2 != 0);
         let clock_ms = u64_at(take(8)?)?;
         let count = u32_at(take(4)?)? as usize;
         let mut ops = Vec::with_capacity(count.min(1 << 16));
@@ -587,6 +610,7 @@ impl Announce {
         Some((
             Self {
                 stopping,
+                joined,
                 clock_ms,
                 ops,
             },
@@ -668,6 +692,11 @@ struct Worker {
     cache: Cache,
     /// When this cycle's ops were agreed; they queue from then until each runs.
     agreed: Instant,
+    /// This rank's pending join, answered once every rank has joined.
+    join: Option<mpsc::Sender<Result<usize>>>,
+    /// Which ranks had joined as of the last cycle, and the one that joined last.
+    joined: Vec<bool>,
+    last_joined: usize,
 }
 
 impl Worker {
@@ -683,6 +712,9 @@ impl Worker {
             stopping: false,
             fusion: Vec::new(),
             agreed: Instant::now(),
+            join: None,
+            joined: Vec::new(),
+            last_joined: 0,
         }
     }
 
@@ -698,7 +730,31 @@ impl Worker {
                     self.pending.push(r);
                 }
             }
+            Command::Join(reply) => {
+                if self.join.is_some() {
+                    let _ = reply.send(Err(CommError::InvalidArgument {
+                        op: "join",
+                        detail: "this rank has already joined".into(),
+                    }));
+                } else {
+                    self.join = Some(reply);
+                }
+            }
             Command::Stop => self.stopping = true,
+        }
+    }
+
+    /// The timeline, while it records.
+    fn timeline(&self) -> Option<&Timeline> {
+        self.cfg.timeline.as_deref().filter(|t| t.is_active())
+    }
+
+    /// Fails this rank's pending join with `cause`.
+    fn fail_join(&mut self, cause: &str) {
+        if let Some(j) = self.join.take() {
+            let _ = j.send(Err(CommError::Broken {
+                cause: cause.to_string(),
+            }));
         }
     }
 
@@ -726,6 +782,7 @@ impl Worker {
                     for r in self.pending.drain(..) {
                         let _ = r.reply.send(Err(CommError::Broken { cause: msg.clone() }));
                     }
+                    self.fail_join(&msg);
                     // The communicator is broken; later submissions fail at once.
                     self.drain_broken(&msg);
                     break;
@@ -737,6 +794,7 @@ impl Worker {
                 cause: "the engine stopped".into(),
             }));
         }
+        self.fail_join("the engine stopped");
         self.comm
     }
 
@@ -751,6 +809,11 @@ impl Worker {
                         cause: msg.to_string(),
                     }));
                 }
+                Command::Join(reply) => {
+                    let _ = reply.send(Err(CommError::Broken {
+                        cause: msg.to_string(),
+                    }));
+                }
                 Command::Stop => return,
             }
         }
@@ -761,6 +824,7 @@ impl Worker {
         let n = self.comm.size();
         let mine = Announce {
             stopping: self.stopping,
+            joined: self.join.is_some(),
             clock_ms: self.started.elapsed().as_millis() as u64,
             ops: self
                 .pending
@@ -770,7 +834,7 @@ impl Worker {
         };
         let t_cycle = Instant::now();
         let gathered = self.gather(&mine)?;
-        if let Some(t) = self.cfg.timeline.as_ref().filter(|t| t.mark_cycles) {
+        if let Some(t) = self.timeline().filter(|t| t.marks_cycles()) {
             t.instant("engine", "CYCLE", t_cycle, "");
         }
         if gathered.iter().any(|a| a.stopping) {
@@ -781,9 +845,21 @@ impl Worker {
                     cause: cause.clone(),
                 }));
             }
+            self.fail_join(&cause);
             return Ok(false);
         }
         let clock = gathered[0].clock_ms;
+        let joined: Vec<bool> = gathered.iter().map(|a| a.joined).collect();
+        // Of the ranks that joined since the last cycle, the highest counts as the last.
+        self.joined.resize(n, false);
+        if let Some(r) = (0..n).rev().find(|&r| joined[r] && !self.joined[r]) {
+            self.last_joined = r;
+        }
+        self.joined.clone_from(&joined);
+        let all_joined = joined.iter().all(|&j| j);
+        // The ranks an op must be pending on to run: all of them, or those not joined (the
+        // joined ones contribute zeros to allreduces).
+        let needed: Vec<usize> = (0..n).filter(|&r| all_joined || !joined[r]).collect();
         // Every rank's pending ops in full, in its order.
         let mut lists: Vec<Vec<Sig>> = Vec::with_capacity(n);
         for (rank, a) in gathered.iter().enumerate() {
@@ -805,36 +881,60 @@ impl Worker {
             .iter()
             .map(|l| l.iter().map(|s| (s.name.as_str(), s)).collect())
             .collect();
-        // Ready everywhere, in rank 0's order; the same list on every rank.
+        // Ready on every needed rank, in the first needed rank's order; the same list on
+        // every rank.
         let mut ready: Vec<String> = Vec::new();
+        let mut zeros: Vec<Sig> = Vec::new();
         let mut failed: Vec<(String, CommError)> = Vec::new();
-        for sig in &lists[0] {
+        let lead = needed[0];
+        for sig in &lists[lead] {
             let name = sig.name.as_str();
-            if !sets.iter().all(|s| s.contains_key(name)) {
+            if !needed.iter().all(|&r| sets[r].contains_key(name)) {
                 continue;
             }
-            match (1..n).find(|&r| sets[r][name] != sig) {
-                None => {
-                    self.cache.record(sig);
-                    ready.push(sig.name.clone());
-                }
-                Some(r) => failed.push((
+            let absent: Vec<usize> = (0..n).filter(|&r| !sets[r].contains_key(name)).collect();
+            if let Some(r) = (0..n).find(|&r| sets[r].get(name).is_some_and(|s| *s != sig)) {
+                failed.push((
                     sig.name.clone(),
                     CommError::Mismatch {
                         seq: 0,
-                        rank_a: 0,
+                        rank_a: lead,
                         desc_a: sig.describe(),
                         rank_b: r,
                         desc_b: sets[r][name].describe(),
                     },
-                )),
+                ));
+            } else if !absent.is_empty() && sig.kind != 0 {
+                failed.push((
+                    sig.name.clone(),
+                    CommError::InvalidArgument {
+                        op: "engine",
+                        detail: format!(
+                            "{} cannot run while ranks {absent:?} have joined: only \
+                             allreduce can",
+                            sig.describe()
+                        ),
+                    },
+                ));
+            } else {
+                self.cache.record(sig);
+                ready.push(sig.name.clone());
+                if absent.contains(&self.comm.rank()) {
+                    zeros.push(sig.clone());
+                }
+            }
+        }
+        // A joined rank takes part in the others' allreduces with zeros of the same shape.
+        for sig in zeros {
+            if let Some(r) = zero_request(&sig) {
+                self.pending.push(r);
             }
         }
         // Stalls: pending somewhere, not everywhere, for too long (on rank 0's clock).
         let mut seen_now: HashSet<&str> = HashSet::new();
         for s in &sets {
             for name in s.keys() {
-                if !sets.iter().all(|t| t.contains_key(name)) {
+                if !needed.iter().all(|&r| sets[r].contains_key(name)) {
                     seen_now.insert(name);
                 }
             }
@@ -850,7 +950,11 @@ impl Worker {
         stalled.sort_unstable();
         for name in stalled {
             let have: Vec<usize> = (0..n).filter(|&r| sets[r].contains_key(name)).collect();
-            let missing: Vec<usize> = (0..n).filter(|&r| !sets[r].contains_key(name)).collect();
+            let missing: Vec<usize> = needed
+                .iter()
+                .copied()
+                .filter(|&r| !sets[r].contains_key(name))
+                .collect();
             failed.push((
                 name.to_string(),
                 CommError::InvalidArgument {
@@ -870,7 +974,7 @@ impl Worker {
                 let _ = r.reply.send(Err(e));
             }
         }
-        if let Some(t) = &self.cfg.timeline {
+        if let Some(t) = self.timeline() {
             let now = Instant::now();
             for r in self.pending.iter().filter(|r| ready.contains(&r.name)) {
                 let phase = format!("NEGOTIATE_{}", r.coll.name().to_uppercase());
@@ -879,6 +983,12 @@ impl Worker {
         }
         self.agreed = Instant::now();
         self.run_ready(&ready)?;
+        if all_joined {
+            if let Some(j) = self.join.take() {
+                let _ = j.send(Ok(self.last_joined));
+            }
+            self.joined.fill(false);
+        }
         Ok(true)
     }
 
@@ -939,13 +1049,13 @@ impl Worker {
     /// engine.
     fn run_alone(&mut self, r: Request) -> Result<()> {
         let start = Instant::now();
-        if let Some(t) = &self.cfg.timeline {
+        if let Some(t) = self.timeline() {
             t.span(&r.name, "QUEUE", self.agreed, start, "");
         }
         let (name, coll, reply) = (r.name, r.coll, r.reply);
         match r.tensor.run(&mut self.comm, &coll) {
             Ok(out) => {
-                if let Some(t) = &self.cfg.timeline {
+                if let Some(t) = self.timeline() {
                     t.span(
                         &name,
                         &coll.name().to_uppercase(),
@@ -972,7 +1082,7 @@ impl Worker {
 
     /// Records one phase of every op of a batch on the timeline.
     fn trace(&self, batch: &[Request], phase: &str, start: Instant) {
-        if let Some(t) = &self.cfg.timeline {
+        if let Some(t) = self.timeline() {
             let end = Instant::now();
             let args = format!("\"fused\":{}", batch.len());
             for r in batch {
@@ -984,7 +1094,7 @@ impl Worker {
     fn reduce_batch(&mut self, mut batch: Vec<Request>) -> Result<()> {
         let op = batch[0].allreduce_op().unwrap_or(ReduceOp::Sum);
         let start = Instant::now();
-        if let Some(t) = &self.cfg.timeline {
+        if let Some(t) = self.timeline() {
             for r in &batch {
                 t.span(&r.name, "QUEUE", self.agreed, start, "");
             }
@@ -1053,6 +1163,26 @@ macro_rules! by_dtype {
     };
 }
 
+/// An allreduce of zeros shaped as `sig` says, whose result nobody waits for: a joined rank's
+/// part in an op the others submitted. `None` for a malformed signature (which the peers'
+/// own checks then report).
+fn zero_request(sig: &Sig) -> Option<Request> {
+    fn typed<T: Element>(count: usize) -> Box<dyn Tensor> {
+        Box::new(vec![T::zeroed(); count])
+    }
+    let op = ReduceOp::from_tag(u8::try_from(sig.param).ok()?)?;
+    let count = usize::try_from(sig.count).ok()?;
+    let dtype = DType::from_tag(sig.dtype)?;
+    let (reply, _) = mpsc::channel();
+    Some(Request {
+        name: sig.name.clone(),
+        submitted: Instant::now(),
+        coll: Coll::Allreduce(op),
+        tensor: by_dtype!(dtype, typed(count)),
+        reply,
+    })
+}
+
 /// Allreduces a batch of tensors of one `dtype` as one grouped allreduce on their own memory.
 fn group_in_place(
     comm: &mut Communicator,
@@ -1112,6 +1242,7 @@ mod tests {
     fn announcements_round_trip() {
         let a = Announce {
             stopping: true,
+            joined: true,
             clock_ms: 42,
             ops: vec![
                 Entry::Full(sig("grad/0", 1000)),

@@ -361,3 +361,91 @@ fn huge_buffers_are_reduced_and_handed_back() {
         assert_eq!(results, vec![true; 3], "same host: {same_host}");
     }
 }
+
+/// Uneven work (Horovod's `join`): rank r runs 2r + 1 steps of named allreduces (of every
+/// reduction and two dtypes, fused together), then joins; a joined rank takes part with
+/// zeros, every join returns the rank that joined last, and the engine is usable after.
+#[test]
+fn joined_ranks_contribute_zeros_until_every_rank_joins() {
+    let n = 4;
+    let out = world(n, |comm| {
+        let r = comm.rank();
+        let e = engine(comm, EngineConfig::default());
+        let mut sums = Vec::new();
+        for step in 0..2 * r + 1 {
+            let f = e.allreduce_async(
+                &format!("f/{step}"),
+                vec![1.0f32 + r as f32; 3],
+                ReduceOp::Sum,
+            );
+            let i = e.allreduce_async(&format!("i/{step}"), vec![10i64; 2], ReduceOp::Sum);
+            let avg = e.allreduce_async(&format!("a/{step}"), vec![8.0f64], ReduceOp::Average);
+            sums.push((f.wait().unwrap(), i.wait().unwrap(), avg.wait().unwrap()));
+        }
+        let last = e.join().unwrap();
+        // The world is whole again: ops run on every rank.
+        let after = e
+            .allreduce_async("after", vec![1u8; 4], ReduceOp::Sum)
+            .wait()
+            .unwrap();
+        (sums, last, after)
+    });
+    for (r, (sums, last, after)) in out.into_iter().enumerate() {
+        assert_eq!(
+            last,
+            n - 1,
+            "rank {r}: the rank with the most steps joins last"
+        );
+        assert_eq!(after, vec![4; 4]);
+        for (step, (f, i, avg)) in sums.into_iter().enumerate() {
+            // Ranks with fewer than step + 1 steps have joined and count as zeros.
+            let live: Vec<usize> = (0..n).filter(|&q| 2 * q + 1 > step).collect();
+            let want_f: f32 = live.iter().map(|&q| 1.0 + q as f32).sum();
+            assert_eq!(f, vec![want_f; 3], "rank {r} step {step}");
+            assert_eq!(i, vec![10 * live.len() as i64; 2], "rank {r} step {step}");
+            // An average divides by the whole world, as Horovod's does.
+            assert_eq!(
+                avg,
+                vec![8.0 * live.len() as f64 / n as f64],
+                "rank {r} step {step}"
+            );
+        }
+    }
+}
+
+/// While a rank is joined, collectives other than allreduce fail on the ranks that submitted
+/// them, naming the joined ranks; every rank gets the same last rank; a world of one joins
+/// at once, as often as it likes.
+#[test]
+fn only_allreduce_runs_while_a_rank_is_joined() {
+    let out = world(3, |comm| {
+        let r = comm.rank();
+        let e = engine(comm, EngineConfig::default());
+        if r == 0 {
+            return (Ok(0), e.join().map_err(|e| e.to_string()));
+        }
+        let bc = e.broadcast_async("bc", vec![r as u8; 5], 1).wait();
+        let joined = e.join().map_err(|e| e.to_string());
+        (bc.map(|v| v.len()).map_err(|e| e.to_string()), joined)
+    });
+    // Ranks 1 and 2 join in one cycle (the higher counts as last) or one after the other.
+    let last = out[0].1.clone().unwrap();
+    assert!(last == 1 || last == 2, "{last}");
+    for (r, (bc, joined)) in out.into_iter().enumerate().skip(1) {
+        let err = bc.unwrap_err();
+        assert!(
+            err.contains("broadcast 'bc'") && err.contains("ranks [0] have joined"),
+            "rank {r}: {err}"
+        );
+        assert_eq!(joined, Ok(last), "rank {r}");
+    }
+    let one = Engine::start(
+        hvd_collectives::Communicator::single(),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    assert_eq!(one.join().unwrap(), 0);
+    let s = one.submitter();
+    let t = std::thread::spawn(move || s.join());
+    assert_eq!(t.join().unwrap().unwrap(), 0);
+}

@@ -413,9 +413,15 @@ fn gather_error(e: GatherError) -> PyErr {
     }
 }
 
+/// The process set with native id `set`, or `None` (the whole job) without one.
+fn set_of(set: Option<u32>) -> PyResult<Option<hvd::ProcessSet>> {
+    set.map(process_set).transpose()
+}
+
 /// Gathers every rank's rows (`row_len` elements each) of the input region into the output
-/// region, which Python sized for all of them.
+/// region, which Python sized for all of them; among process set `set`'s ranks if given.
 #[pyfunction]
+#[pyo3(signature = (address, count, dtype, row_len, out_address, out_count, set=None))]
 #[allow(clippy::too_many_arguments)]
 fn allgather_into(
     py: Python<'_>,
@@ -425,17 +431,20 @@ fn allgather_into(
     row_len: usize,
     out_address: usize,
     out_count: usize,
+    set: Option<u32>,
 ) -> PyResult<()> {
     let dtype = DType::parse(dtype)?;
     let input = Region::new(address, count, dtype)?;
     let out = Region::new(out_address, out_count, dtype)?;
-    py.detach(|| input.allgather_into(row_len, &out))
+    let set = set_of(set)?;
+    py.detach(|| input.allgather_into(row_len, &out, set.as_ref()))
         .map_err(gather_error)
 }
 
 /// Sends `splits[p]` elements of the input region to rank `p`, receiving into the output
 /// region (sized by Python for what arrives); returns the counts received from each rank.
 #[pyfunction]
+#[pyo3(signature = (address, count, dtype, splits, out_address, out_count, set=None))]
 #[allow(clippy::too_many_arguments)]
 fn alltoall_into(
     py: Python<'_>,
@@ -445,18 +454,70 @@ fn alltoall_into(
     splits: Vec<usize>,
     out_address: usize,
     out_count: usize,
+    set: Option<u32>,
 ) -> PyResult<Vec<usize>> {
     let dtype = DType::parse(dtype)?;
     let input = Region::new(address, count, dtype)?;
     let out = Region::new(out_address, out_count, dtype)?;
-    py.detach(|| input.alltoall_into(&splits, &out))
+    let set = set_of(set)?;
+    py.detach(|| input.alltoall_into(&splits, &out, set.as_ref()))
         .map_err(gather_error)
 }
 
-/// Waits until every rank has called it.
+/// Reduces the input region across ranks and writes this rank's block of the result (the
+/// first `count % size` ranks get one element more) into the output region.
 #[pyfunction]
-fn barrier(py: Python<'_>) -> PyResult<()> {
-    py.detach(hvd::barrier).map_err(raise)
+#[pyo3(signature = (address, count, dtype, op, out_address, out_count, set=None))]
+#[allow(clippy::too_many_arguments)]
+fn reducescatter_into(
+    py: Python<'_>,
+    address: usize,
+    count: usize,
+    dtype: &str,
+    op: &str,
+    out_address: usize,
+    out_count: usize,
+    set: Option<u32>,
+) -> PyResult<()> {
+    let op = op_from(op)?;
+    let dtype = DType::parse(dtype)?;
+    let input = Region::new(address, count, dtype)?;
+    let out = Region::new(out_address, out_count, dtype)?;
+    let set = set_of(set)?;
+    py.detach(|| input.reducescatter_into(op, &out, set.as_ref()))
+        .map_err(gather_error)
+}
+
+/// Waits until every rank (of process set `set`, if given) has called it.
+#[pyfunction]
+#[pyo3(signature = (set=None))]
+fn barrier(py: Python<'_>, set: Option<u32>) -> PyResult<()> {
+    match set_of(set)? {
+        None => py.detach(hvd::barrier),
+        Some(set) => py.detach(|| hvd::with_process_set(&set, |c| c.barrier())),
+    }
+    .map_err(raise)
+}
+
+/// Declares that this rank has no more data (Horovod's `join`), starting the engine if it
+/// is not running; returns the rank that joined last, once every rank has.
+#[pyfunction]
+fn join(py: Python<'_>) -> PyResult<usize> {
+    submitter()?;
+    py.detach(hvd::join).map_err(raise)
+}
+
+/// Starts recording this rank's timeline into `path` (Horovod's `start_timeline`).
+#[pyfunction]
+#[pyo3(signature = (path, mark_cycles=false))]
+fn start_timeline(path: std::path::PathBuf, mark_cycles: bool) -> PyResult<()> {
+    hvd::start_timeline(&path, mark_cycles).map_err(raise)
+}
+
+/// Stops recording the timeline; what was recorded stays in the file.
+#[pyfunction]
+fn stop_timeline() -> PyResult<()> {
+    hvd::stop_timeline().map_err(raise)
 }
 
 /// The native module.
@@ -480,12 +541,16 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(broadcast_on_, m)?,
         wrap_pyfunction!(allgather_into, m)?,
         wrap_pyfunction!(alltoall_into, m)?,
+        wrap_pyfunction!(reducescatter_into, m)?,
         wrap_pyfunction!(rejoin, m)?,
         wrap_pyfunction!(generation, m)?,
         wrap_pyfunction!(report_synced, m)?,
         wrap_pyfunction!(updates_through, m)?,
         wrap_pyfunction!(latest_update, m)?,
         wrap_pyfunction!(restore_process_sets, m)?,
+        wrap_pyfunction!(join, m)?,
+        wrap_pyfunction!(start_timeline, m)?,
+        wrap_pyfunction!(stop_timeline, m)?,
     ] {
         m.add_function(f)?;
     }

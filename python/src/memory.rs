@@ -318,11 +318,15 @@ fn allgather_typed<T: hvd::Element>(
     input: &Region,
     row_len: usize,
     out: &Region,
+    set: Option<&hvd::ProcessSet>,
 ) -> Result<(), GatherError> {
     // SAFETY: `typed!` picked `T` from the input's dtype, which `allgather_into` checked the
     // output shares; the input and output are distinct tensors.
     let (i, o) = unsafe { (shared::<T>(input), exclusive::<T>(out)) };
-    let got = hvd::allgather(i, row_len)?;
+    let got = match set {
+        None => hvd::allgather(i, row_len)?,
+        Some(set) => hvd::with_process_set(set, |c| c.allgather(i, row_len))?,
+    };
     copy_into(&got, o, "allgather")
 }
 
@@ -330,12 +334,31 @@ fn alltoall_typed<T: hvd::Element>(
     input: &Region,
     splits: &[usize],
     out: &Region,
+    set: Option<&hvd::ProcessSet>,
 ) -> Result<Vec<usize>, GatherError> {
     // SAFETY: as in `allgather_typed`.
     let (i, o) = unsafe { (shared::<T>(input), exclusive::<T>(out)) };
-    let (got, received) = hvd::alltoall(i, splits)?;
+    let (got, received) = match set {
+        None => hvd::alltoall(i, splits)?,
+        Some(set) => hvd::with_process_set(set, |c| c.alltoall(i, splits))?,
+    };
     copy_into(&got, o, "alltoall")?;
     Ok(received)
+}
+
+fn reducescatter_typed<T: hvd::Element>(
+    input: &Region,
+    op: hvd::ReduceOp,
+    out: &Region,
+    set: Option<&hvd::ProcessSet>,
+) -> Result<(), GatherError> {
+    // SAFETY: as in `allgather_typed`.
+    let (i, o) = unsafe { (shared::<T>(input), exclusive::<T>(out)) };
+    let got = match set {
+        None => hvd::reducescatter(i, op)?,
+        Some(set) => hvd::with_process_set(set, |c| c.reducescatter(i, op))?,
+    };
+    copy_into(&got, o, "reducescatter")
 }
 
 fn same_dtype(input: &Region, out: &Region) -> Result<(), GatherError> {
@@ -351,16 +374,38 @@ fn same_dtype(input: &Region, out: &Region) -> Result<(), GatherError> {
 
 impl Region {
     /// Gathers every rank's rows (of `row_len` elements) of this region into `out`, which
-    /// holds exactly their sum.
-    pub fn allgather_into(&self, row_len: usize, out: &Region) -> Result<(), GatherError> {
+    /// holds exactly their sum; among `set`'s members, or the whole job's.
+    pub fn allgather_into(
+        &self,
+        row_len: usize,
+        out: &Region,
+        set: Option<&hvd::ProcessSet>,
+    ) -> Result<(), GatherError> {
         same_dtype(self, out)?;
-        typed!(self.dtype, allgather_typed(self, row_len, out))
+        typed!(self.dtype, allgather_typed(self, row_len, out, set))
     }
 
     /// Sends `splits[p]` elements of this region to rank `p` and receives into `out`, which
     /// holds exactly what arrives; returns how many came from each rank.
-    pub fn alltoall_into(&self, splits: &[usize], out: &Region) -> Result<Vec<usize>, GatherError> {
+    pub fn alltoall_into(
+        &self,
+        splits: &[usize],
+        out: &Region,
+        set: Option<&hvd::ProcessSet>,
+    ) -> Result<Vec<usize>, GatherError> {
         same_dtype(self, out)?;
-        typed!(self.dtype, alltoall_typed(self, splits, out))
+        typed!(self.dtype, alltoall_typed(self, splits, out, set))
+    }
+
+    /// Reduces this region across ranks and writes this rank's block of the result (the
+    /// first `len % size` ranks get one element more) into `out`, which holds exactly it.
+    pub fn reducescatter_into(
+        &self,
+        op: hvd::ReduceOp,
+        out: &Region,
+        set: Option<&hvd::ProcessSet>,
+    ) -> Result<(), GatherError> {
+        same_dtype(self, out)?;
+        typed!(self.dtype, reducescatter_typed(self, op, out, set))
     }
 }

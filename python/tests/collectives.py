@@ -5,6 +5,7 @@
 Prints ``collectives ok: rank R of N, C cases`` and exits 0, or raises.
 """
 
+import os
 import sys
 
 import torch
@@ -160,15 +161,27 @@ def main():
         cases += 1
     even, _ = hvd.alltoall(torch.arange(2 * n, dtype=torch.int32) + 100 * r)
     assert even.tolist() == [100 * p + 2 * r + k for p in range(n) for k in range(2)], even
-    # reducescatter: this rank's rows of the sum; the first rows % n ranks get one more.
-    x = torch.arange(5 * (n + 1), dtype=torch.float64).reshape(-1, 5) * (r + 1)
-    mine = hvd.reducescatter(x, op=hvd.Sum)
-    total = torch.arange(5 * (n + 1), dtype=torch.float64).reshape(-1, 5) * tri
-    rows = n + 1
-    base, extra = divmod(rows, n)
-    start = r * base + min(r, extra)
-    assert torch.equal(mine, total[start:start + base + (1 if r < extra else 0)]), mine
-    cases += 1
+    # reducescatter: this rank's rows of the reduction, every dtype and op, row counts below,
+    # at and past a multiple of the ranks; the first rows % n ranks get one row more.
+    for dtype in DTYPES:
+        for op, name in OPS.items():
+            for rows in (1, n, n + 1, 3 * n + 2):
+                if name == "product" and rows > n + 1:
+                    continue  # one case of each shape is enough for the products' overflow
+                case += 1
+                inputs = [data(p, case, rows * 6, dtype).reshape(rows, 2, 3) for p in range(n)]
+                want = reference([i.flatten() for i in inputs], name, dtype).reshape(rows, 2, 3)
+                got = hvd.reducescatter(inputs[r], op=op)
+                base, extra = divmod(rows, n)
+                start = r * base + min(r, extra)
+                mine = want[start:start + base + (1 if r < extra else 0)]
+                assert got.shape == mine.shape, (dtype, name, rows, got.shape, mine.shape)
+                assert close(got.flatten(), mine.flatten(), dtype), (dtype, name, rows)
+                cases += 1
+    x = torch.ones(2 * n, 3)
+    got = hvd.reducescatter(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+    assert torch.equal(got, torch.full((2, 3), n / 2.0)), got
+    assert torch.equal(x, torch.ones(2 * n, 3)), "reducescatter changed its input"
 
     # Asynchronous ops through the background engine: many in flight at once, fused.
     case += 1
@@ -216,6 +229,50 @@ def main():
     assert torch.equal(w.grad, torch.ones(3)), w.grad
     cases += 1
 
+    # join: rank p runs p + 1 steps, then joins; a joined rank counts as zeros in the others'
+    # allreduces (unnamed async ones and synchronous ones alike), and every rank learns the
+    # rank that joined last. Afterwards generated names line up again.
+    for step in range(r + 1):
+        live = sum(1 for p in range(n) if p + 1 > step)
+        got = hvd.synchronize(hvd.allreduce_async(torch.ones(3, dtype=torch.float64),
+                                                  op=hvd.Sum))
+        assert torch.equal(got, torch.full((3,), float(live), dtype=torch.float64)), (step, got)
+        got = hvd.allreduce(torch.full((2,), 4.0))
+        assert torch.equal(got, torch.full((2,), 4.0 * live / n)), ("average", step, got)
+    assert hvd.join() == n - 1
+    got = hvd.synchronize(hvd.allreduce_async(torch.ones(1), op=hvd.Sum))
+    assert torch.equal(got, torch.full((1,), float(n))), got
+    assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(n)))
+    cases += 1
+
+    # The timeline, started and stopped while running: every rank's ops are in one trace,
+    # and nothing after the stop.
+    import json
+    import tempfile
+    trace = hvd.broadcast_object(os.path.join(tempfile.mkdtemp(), "timeline.json")
+                                 if r == 0 else None)
+    hvd.start_timeline(trace, mark_cycles=True)
+    hvd.synchronize(hvd.allreduce_async(torch.ones(8), name="traced"))
+    hvd.stop_timeline()
+    hvd.synchronize(hvd.allreduce_async(torch.ones(8), name="untraced"))
+    hvd.barrier()
+    if r == 0:
+        with open(trace) as f:
+            events = json.loads(f.read().rstrip().rstrip(",") + "]")
+        rows = {(e["pid"], e["tid"]) for e in events}
+        assert all((p, "traced") in rows for p in range(n)), sorted(rows)
+        assert not any(e["tid"] == "untraced" for e in events), "recorded after the stop"
+        assert any(e["name"] == "CYCLE" for e in events), "cycles not marked"
+        os.remove(trace)
+        os.rmdir(os.path.dirname(trace))
+    try:
+        hvd.start_timeline("/nonexistent-dir/timeline.json")
+    except RuntimeError as e:
+        assert "/nonexistent-dir/timeline.json" in str(e), str(e)
+    else:
+        raise AssertionError("a timeline in a missing directory started")
+    cases += 1
+
     # Process sets: the even ranks, and (with two ranks or more) the odd ones. Adding one
     # while the background engine runs stops it first.
     even = hvd.add_process_set([p for p in range(n) if p % 2 == 0])
@@ -238,6 +295,22 @@ def main():
             assert "process set" in str(e), str(e)
         else:
             raise AssertionError("a collective on a set this rank is not in went through")
+    # Every collective takes process_set=.
+    k, m = mine.rank(), mine.size()
+    got = hvd.allgather(torch.full((k + 1, 2), float(r)), process_set=mine)
+    want = torch.cat([torch.full((q + 1, 2), float(p)) for q, p in enumerate(mine.ranks)])
+    assert torch.equal(got, want), got
+    assert hvd.allgather_object(r, process_set=mine) == mine.ranks
+    out, received = hvd.alltoall(torch.full((m,), float(r)), process_set=mine)
+    assert torch.equal(out, torch.tensor([float(p) for p in mine.ranks])), out
+    assert received.tolist() == [1] * m
+    got = hvd.reducescatter(torch.ones(m + 1, 2), op=hvd.Sum, process_set=mine)
+    assert torch.equal(got, torch.full((2 if k == 0 else 1, 2), float(m))), got
+    assert hvd.broadcast_object(f"from {mine.ranks[0]}", root_rank=mine.ranks[0],
+                                process_set=mine) == f"from {mine.ranks[0]}"
+    hvd.barrier(process_set=mine)
+    cases += 1
+
     # The whole job's collectives and the engine go on beside the sets.
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
     h = hvd.allreduce_async(torch.ones(2), op=hvd.Sum)

@@ -56,6 +56,10 @@ pub enum Error {
         "the background engine holds the communicator: use its async ops, or hvd::stop_engine first"
     )]
     EngineActive,
+    /// [`crate::join`] was called with no background engine running: join needs one, as the
+    /// other ranks' ops reach a joined rank through it.
+    #[error("hvd::join needs the background engine: hvd::start_engine first")]
+    EngineInactive,
     /// This rank is not a member of the process set it used.
     #[error("rank {rank} is not in process set {set} (ranks {ranks:?})")]
     NotInProcessSet {
@@ -72,6 +76,14 @@ pub enum Error {
     /// An elastic call in a process that no elastic launcher started.
     #[error("not an elastic job: run it under horovodrun with --min-np or --host-discovery-script")]
     NotElastic,
+    /// The timeline file could not be created or opened.
+    #[error("cannot write the timeline to {path}: {source}")]
+    Timeline {
+        /// The file asked for.
+        path: String,
+        /// Why it failed.
+        source: std::io::Error,
+    },
     /// Encoding or decoding the state to synchronize failed.
     #[error("state synchronization: {0}")]
     State(String),

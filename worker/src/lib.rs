@@ -99,8 +99,9 @@ struct Context {
     /// through it then, under names `hvd.sync.<n>` every rank numbers alike.
     submitter: Option<Submitter>,
     sync_seq: u64,
-    /// Where this rank records its timeline (`HOROVOD_TIMELINE`).
-    timeline: Option<Arc<Timeline>>,
+    /// Where this rank records its timeline (`HOROVOD_TIMELINE`, or [`start_timeline`]);
+    /// stopped when neither asked for one.
+    timeline: Arc<Timeline>,
     /// Process sets of this round.
     sets: process_set::Sets,
 }
@@ -179,22 +180,56 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
     Ok(())
 }
 
-/// Opens the timeline file the launcher named, if any; a file that can't be opened is logged
-/// and training goes on without it.
-fn open_timeline(env: &dyn Env, rank: usize) -> Option<Arc<Timeline>> {
-    let path = env
+/// This rank's timeline: recording into the file the launcher named, if any; a file that
+/// can't be opened is logged and training goes on without it.
+fn open_timeline(env: &dyn Env, rank: usize) -> Arc<Timeline> {
+    let t = Arc::new(Timeline::stopped(rank));
+    let Some(path) = env
         .var(hvd_rendezvous::ENV_TIMELINE)
-        .filter(|p| !p.is_empty())?;
+        .filter(|p| !p.is_empty())
+    else {
+        return t;
+    };
     let mark = env
         .var(hvd_rendezvous::ENV_TIMELINE_MARK_CYCLES)
         .is_some_and(|v| v.trim() == "1");
-    match Timeline::open(std::path::Path::new(&path), rank, mark) {
-        Ok(t) => Some(Arc::new(t)),
-        Err(e) => {
-            tracing::warn!(%path, error = %e, "cannot write the timeline; continuing without it");
-            None
-        }
+    if let Err(e) = t.start(std::path::Path::new(&path), mark) {
+        tracing::warn!(%path, error = %e, "cannot write the timeline; continuing without it");
     }
+    t
+}
+
+/// Starts recording this rank's timeline into `path` while the job runs (Horovod's
+/// `start_timeline`): every rank may name the same file, each appending its own events.
+/// Replaces any timeline recording before, `HOROVOD_TIMELINE`'s included.
+///
+/// # Errors
+/// [`Error::NotInitialized`]; [`Error::Timeline`] when the file can't be created.
+pub fn start_timeline(path: &std::path::Path, mark_cycles: bool) -> Result<()> {
+    let t = context()
+        .as_ref()
+        .ok_or(Error::NotInitialized)?
+        .timeline
+        .clone();
+    t.start(path, mark_cycles)
+        .map_err(|source| Error::Timeline {
+            path: path.display().to_string(),
+            source,
+        })
+}
+
+/// Stops recording the timeline (Horovod's `stop_timeline`); what was recorded stays in the
+/// file. Stopping a timeline that does not record does nothing.
+///
+/// # Errors
+/// [`Error::NotInitialized`].
+pub fn stop_timeline() -> Result<()> {
+    context()
+        .as_ref()
+        .ok_or(Error::NotInitialized)?
+        .timeline
+        .stop();
+    Ok(())
 }
 
 /// Connects the world of a completed round.
@@ -293,11 +328,11 @@ pub(crate) fn rejoin(reason: &str) -> Result<()> {
     let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
     let generation = session.generation;
     c.session = Some(session);
-    if let Some(t) = &timeline {
+    if timeline.is_active() {
         let outcome = if result.is_ok() { "joined" } else { "failed" };
         let args =
             format!("\"generation\":{generation},\"reason\":{reason:?},\"outcome\":\"{outcome}\"");
-        t.span(
+        timeline.span(
             "elastic",
             "RENDEZVOUS_AND_RING_REBUILD",
             started,
@@ -479,7 +514,7 @@ pub fn start_engine(cfg: EngineConfig) -> Result<Engine> {
     c.engine_active = true;
     let mut cfg = cfg;
     if cfg.timeline.is_none() {
-        cfg.timeline = c.timeline.clone();
+        cfg.timeline = Some(c.timeline.clone());
     }
     let engine = Engine::start(comm, cfg)?;
     c.submitter = Some(engine.submitter());
@@ -530,6 +565,27 @@ fn through_engine() -> Result<Option<(Submitter, String)>> {
         c.sync_seq += 1;
         (s, format!("hvd.sync.{}", c.sync_seq))
     }))
+}
+
+/// Declares that this rank has no more data (Horovod's `join`) and waits until every rank
+/// has: meanwhile its engine takes part in the other ranks' allreduces with zeros, so ranks
+/// with uneven amounts of data finish together. Returns the rank that joined last.
+///
+/// # Errors
+/// [`Error::NotInitialized`]; [`Error::EngineInactive`] without a running engine;
+/// [`Error::Comm`] when a peer fails or the engine stops first.
+pub fn join() -> Result<usize> {
+    let s = {
+        let ctx = context();
+        let c = ctx.as_ref().ok_or(Error::NotInitialized)?;
+        c.submitter.clone().ok_or(Error::EngineInactive)?
+    };
+    let last = s.join()?;
+    // Every rank is past the join: their synchronous calls are numbered afresh alike.
+    if let Some(c) = context().as_mut() {
+        c.sync_seq = 0;
+    }
+    Ok(last)
 }
 
 /// Reduces `buf` across all ranks in place. See [`Communicator::allreduce`].

@@ -305,9 +305,34 @@ def _broadcast_all(named, root_rank):
             synchronize(h)
 
 
-def barrier():
-    """Waits until every rank has called it."""
-    _hvd.barrier()
+def barrier(process_set=None):
+    """Waits until every rank (of ``process_set``, if given) has called it."""
+    sid, _, _ = _where(process_set)
+    _hvd.barrier(sid)
+
+
+def join(device=-1):
+    """Declares that this rank has run out of data and waits until every rank has; until
+    then it takes part in the other ranks' allreduces with zeros (``DistributedOptimizer``'s
+    included), so ranks with uneven data finish together. Only allreduces can run while a
+    rank is joined. Returns the rank that joined last. ``device`` is accepted for Horovod's
+    signature: the zeros live in host memory."""
+    del device
+    last = _hvd.join()
+    # Every rank is past the join: generated names start afresh alike.
+    _unnamed.clear()
+    return last
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Starts recording this rank's engine activity into ``file_path`` (a Chrome trace; every
+    rank may name the same file)."""
+    _hvd.start_timeline(str(file_path), bool(mark_cycles))
+
+
+def stop_timeline():
+    """Stops recording the timeline; what was recorded stays in the file."""
+    _hvd.stop_timeline()
 
 
 # Asynchronous ops: the background engine matches them across ranks by name and fuses
@@ -409,38 +434,51 @@ def _prod(dims):
     return out
 
 
-def _gather_counts(count):
-    """Every rank's ``count``, in rank order."""
+def _where(process_set):
+    """(native set id or None, this rank's index there, the number of members)."""
+    sid = _set_id(process_set)
+    if sid is None:
+        return None, rank(), size()
+    if not process_set.included():
+        raise RuntimeError(f"rank {rank()} is not in process set {process_set.process_set_id} "
+                           f"(ranks {process_set.ranks})")
+    return sid, process_set.rank(), process_set.size()
+
+
+def _gather_counts(count, sid=None, n=None):
+    """Every rank's ``count``, in rank order (of process set ``sid``'s ranks if given)."""
     mine = _torch.tensor([count], dtype=_torch.int64)
-    out = _torch.zeros(size(), dtype=_torch.int64)
-    _hvd.allgather_into(mine.data_ptr(), 1, "int64", 1, out.data_ptr(), out.numel())
+    out = _torch.zeros(size() if n is None else n, dtype=_torch.int64)
+    _hvd.allgather_into(mine.data_ptr(), 1, "int64", 1, out.data_ptr(), out.numel(), sid)
     return [int(c) for c in out]
 
 
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, process_set=None):
     """Concatenates every rank's ``tensor`` along its first dimension, in rank order; the
     first dimension may differ between ranks, the others may not."""
+    sid, _, n = _where(process_set)
     t = _contiguous_cpu(tensor)
     rows, row_len = _rows(t)
     if row_len == 0:
         raise ValueError("allgather of rows with no elements")
-    counts = _gather_counts(rows)
+    counts = _gather_counts(rows, sid, n)
     shape = (sum(counts),) + tuple(t.shape[1:])
     out = _torch.empty(shape, dtype=t.dtype)
     _hvd.allgather_into(t.data_ptr(), t.numel(), _dtype_name(t), row_len, out.data_ptr(),
-                        out.numel())
+                        out.numel(), sid)
     return out.to(tensor.device)
 
 
-def allgather_object(obj, name=None):
+def allgather_object(obj, name=None, process_set=None):
     """Returns every rank's ``obj`` (any picklable object), in rank order."""
     import pickle
 
+    sid, _, n = _where(process_set)
     payload = torch_bytes(pickle.dumps(obj))
-    counts = _gather_counts(payload.numel())
+    counts = _gather_counts(payload.numel(), sid, n)
     out = _torch.empty(sum(counts), dtype=_torch.uint8)
     _hvd.allgather_into(payload.data_ptr(), payload.numel(), "uint8", 1, out.data_ptr(),
-                        out.numel())
+                        out.numel(), sid)
     objs, at = [], 0
     for c in counts:
         objs.append(pickle.loads(out[at:at + c].numpy().tobytes()))
@@ -448,13 +486,13 @@ def allgather_object(obj, name=None):
     return objs
 
 
-def alltoall(tensor, splits=None, name=None):
+def alltoall(tensor, splits=None, name=None, process_set=None):
     """Sends ``splits[p]`` rows (first-dimension slices) of ``tensor`` to rank ``p`` (equal
     parts without ``splits``); returns what every rank sent here, in rank order, and how many
     rows came from each."""
+    sid, _, n = _where(process_set)
     t = _contiguous_cpu(tensor)
     rows, row_len = _rows(t)
-    n = size()
     if splits is None:
         if rows % n:
             raise ValueError(f"alltoall without splits needs a first dimension divisible by "
@@ -467,29 +505,54 @@ def alltoall(tensor, splits=None, name=None):
                          f"summing to the first dimension, {rows}")
     mine = _torch.tensor(splits, dtype=_torch.int64)
     got = _torch.zeros(n, dtype=_torch.int64)
-    _hvd.alltoall_into(mine.data_ptr(), n, "int64", [1] * n, got.data_ptr(), n)
+    _hvd.alltoall_into(mine.data_ptr(), n, "int64", [1] * n, got.data_ptr(), n, sid)
     received = [int(x) for x in got]
     out = _torch.empty((sum(received),) + tuple(t.shape[1:]), dtype=t.dtype)
     _hvd.alltoall_into(t.data_ptr(), t.numel(), _dtype_name(t), [x * row_len for x in splits],
-                       out.data_ptr(), out.numel())
+                       out.data_ptr(), out.numel(), sid)
     return out.to(tensor.device), _torch.tensor(received, dtype=_torch.int32)
 
 
-def reducescatter(tensor, name=None, op=None):
+def reducescatter(tensor, name=None, op=None, process_set=None, prescale_factor=1.0,
+                  postscale_factor=1.0):
     """Reduces ``tensor`` across ranks (default: the average) and returns this rank's slice
     of the result along the first dimension; the first ``rows % size`` ranks get one row
-    more. (For now through an allreduce of the whole tensor.)"""
+    more. Each rank receives only its slice: the reduction is scattered as it runs."""
     op = _op_of(None, op)
-    out = allreduce(tensor, op=op, name=name)
-    rows = out.shape[0] if out.dim() else 1
-    n, r = size(), rank()
+    if op is Adasum:
+        raise NotImplementedError("hvd.Adasum is not supported yet: use hvd.Average or hvd.Sum")
+    sid, r, n = _where(process_set)
+    t = _contiguous_cpu(tensor)
+    if t.dim() == 0:
+        raise ValueError("reducescatter of a 0-dimensional tensor: it has no rows to scatter")
+    rows = t.shape[0]
     base, extra = divmod(rows, n)
-    start = r * base + min(r, extra)
-    return out[start:start + base + (1 if r < extra else 0)].clone()
+    mine = base + (1 if r < extra else 0)
+    if extra:
+        # The engine scatters equal blocks of elements: give every rank's rows a block of the
+        # same size, padding the ranks with a row fewer by one row (of zeros, then dropped).
+        width = base + 1
+        padded = _torch.zeros((n * width,) + tuple(t.shape[1:]), dtype=t.dtype)
+        for p in range(n):
+            start, count = p * base + min(p, extra), base + (1 if p < extra else 0)
+            padded[p * width:p * width + count] = t[start:start + count]
+        t, block = padded, width
+    else:
+        block = base
+    if prescale_factor != 1.0:
+        t = t.clone() if t is tensor else t
+        _scale(t, prescale_factor, "prescale_factor")
+    out = _torch.empty((block,) + tuple(t.shape[1:]), dtype=t.dtype)
+    _hvd.reducescatter_into(t.data_ptr(), t.numel(), _dtype_name(t), op.name, out.data_ptr(),
+                            out.numel(), sid)
+    out = out[:mine]
+    _scale(out, postscale_factor, "postscale_factor")
+    return out.to(tensor.device)
 
 
-def broadcast_object(obj, root_rank=0, name=None):
-    """Returns ``root_rank``'s ``obj`` (any picklable object) on every rank."""
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
+    """Returns ``root_rank``'s ``obj`` (any picklable object) on every rank (of
+    ``process_set``; ``root_rank`` is a rank of the whole job)."""
     import io
     import pickle
 
@@ -498,10 +561,10 @@ def broadcast_object(obj, root_rank=0, name=None):
         length = _torch.tensor([payload.numel()], dtype=_torch.int64)
     else:
         length = _torch.zeros(1, dtype=_torch.int64)
-    broadcast_(length, root_rank)
+    broadcast_(length, root_rank, process_set=process_set)
     if rank() != root_rank:
         payload = _torch.zeros(int(length.item()), dtype=_torch.uint8)
-    broadcast_(payload, root_rank)
+    broadcast_(payload, root_rank, process_set=process_set)
     return pickle.load(io.BytesIO(payload.numpy().tobytes()))
 
 
@@ -600,7 +663,8 @@ __all__ = [
     "Compression", "broadcast_object", "broadcast_optimizer_state",
     "allreduce_async", "allreduce_async_", "broadcast_async", "broadcast_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "poll", "synchronize",
+    "grouped_allreduce_async_", "poll", "synchronize", "join", "start_timeline",
+    "stop_timeline",
     "Adasum", "Average", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
     "Product", "Sum", "allreduce", "allreduce_", "barrier", "broadcast", "broadcast_",
     "broadcast_parameters", "cross_rank", "cross_size", "gloo_built", "init",
