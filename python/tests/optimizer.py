@@ -36,7 +36,7 @@ def batches(step, n, passes):
 
 
 def train(distributed, passes=1, compression=hvd.Compression.none, op=hvd.Average,
-          gpf=1.0):
+          gpf=1.0, groups=None):
     """Trains a fresh Net for STEPS steps; returns its parameters. ``distributed``: each rank
     takes its rows of every micro-batch through a DistributedOptimizer; otherwise one
     process takes them all."""
@@ -47,7 +47,8 @@ def train(distributed, passes=1, compression=hvd.Compression.none, op=hvd.Averag
     if distributed:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=compression, backward_passes_per_step=passes,
-                                       op=op, gradient_predivide_factor=gpf)
+                                       op=op, gradient_predivide_factor=gpf,
+                                       groups=groups(model) if callable(groups) else groups)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     for step in range(STEPS):
         x, y = batches(step, n, passes)
@@ -86,6 +87,12 @@ def main():
         torch.manual_seed(0)
         fresh = Net()
         assert torch.equal(params[-1], fresh.unused.bias.detach())
+    # Explicit groups (a count, or lists with the rest each its own) reduce the same
+    # gradients; the unused parameter's group gets its zeros.
+    for groups in (2, 3, lambda m: [[m.a.weight, m.unused.bias], [m.a.bias]]):
+        params, _ = train(True, 2, groups=groups)
+        same_everywhere(params)
+        close_to(params, train(False, 2)[0], 1e-5)
     params, _ = train(True, 1, gpf=2.0)
     close_to(params, train(False, 1)[0], 1e-5)
     params, _ = train(True, 1, compression=hvd.Compression.fp16)
@@ -147,6 +154,11 @@ def main():
                                               torch.ones(1)))]), "does not name"),
         (lambda: hvd.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=1),
                                           backward_passes_per_step=0), "at least 1"),
+        (lambda: hvd.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=1),
+                                          groups=-1), "non-negative"),
+        (lambda: hvd.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=1),
+                                          groups=[[torch.nn.Parameter(torch.ones(1))]]),
+         "does not train"),
     ]:
         try:
             bad()

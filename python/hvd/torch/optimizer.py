@@ -19,7 +19,7 @@ class _DistributedOptimizer:
     """Methods mixed into a subclass of the user's optimizer class."""
 
     def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, process_set):
+                   gradient_predivide_factor, process_set, groups):
         if op is _ops.Adasum:
             raise NotImplementedError(
                 "DistributedOptimizer(op=hvd.Adasum) is not supported yet: use hvd.Average")
@@ -60,6 +60,9 @@ class _DistributedOptimizer:
         self._hvd_synchronized = False
         self._hvd_skip = False
         self._hvd_hooks = []
+        self._hvd_group_of, self._hvd_groups = _groups_of(
+            [p for p in params if p.requires_grad], groups)
+        self._hvd_ready = {g: [] for g in range(len(self._hvd_groups))}
         if _ops.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
             for p in params:
                 if p.requires_grad:
@@ -72,8 +75,26 @@ class _DistributedOptimizer:
                 "Gradients were computed more than backward_passes_per_step times before call "
                 "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
         self._hvd_delay[key] -= 1
-        if self._hvd_delay[key] == 0:
+        if self._hvd_delay[key] != 0:
+            return
+        g = self._hvd_group_of.get(key)
+        if g is None:
             self._hvd_pending[key] = (p, self._hvd_submit(p))
+            return
+        # A group goes to the engine together, once its last gradient is ready, so its
+        # tensors are agreed in one cycle and fused.
+        ready = self._hvd_ready[g]
+        ready.append(p)
+        if len(ready) == len(self._hvd_groups[g]):
+            self._hvd_submit_group(g)
+
+    def _hvd_submit_group(self, g):
+        """Submits every gradient of group ``g`` (zeros for those that have none)."""
+        for p in self._hvd_groups[g]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._hvd_pending[id(p)] = (p, self._hvd_submit(p))
+        self._hvd_ready[g] = []
 
     def _hvd_submit(self, p):
         compressed, ctx = self._hvd_compression.compress(p.grad)
@@ -92,6 +113,9 @@ class _DistributedOptimizer:
         if not self._hvd_hooks:
             self._hvd_synchronized = True
             return
+        for g, ready in self._hvd_ready.items():
+            if ready or not any(id(p) in self._hvd_pending for p in self._hvd_groups[g]):
+                self._hvd_submit_group(g)
         for group in self.param_groups:
             for p in group["params"]:
                 if not p.requires_grad or id(p) in self._hvd_pending:
@@ -114,6 +138,7 @@ class _DistributedOptimizer:
     def _hvd_reset(self):
         """Forgets the reductions of a round that failed (elastic resets)."""
         self._hvd_pending.clear()
+        self._hvd_ready = {g: [] for g in self._hvd_ready}
         for key in self._hvd_delay:
             self._hvd_delay[key] = self._hvd_passes
         self._hvd_synchronized = False
@@ -157,13 +182,50 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     As in Horovod, the result is an instance of a subclass of the optimizer's class, built
     from its parameter groups (its state starts empty).
     """
-    if groups is not None:
-        raise NotImplementedError("DistributedOptimizer(groups=...) is not supported yet")
     methods = {k: v for k, v in _DistributedOptimizer.__dict__.items()
                if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     opt = cls.__new__(cls)
     optimizer.__class__.__init__(opt, optimizer.param_groups)
     opt._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, process_set)
+                   gradient_predivide_factor, process_set, groups)
     return opt
+
+
+def _groups_of(params, groups):
+    """Horovod's ``groups``: ``None`` or 0 (no explicit groups), a number of groups to cut
+    ``params`` into (contiguous, as even as can be), or lists of parameters (each list one
+    group; a parameter in none is its own). Returns ({id(param): group}, [group's params])."""
+    if groups is None or (isinstance(groups, int) and not isinstance(groups, bool)
+                          and groups == 0):
+        return {}, []
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 0:
+            raise ValueError(f"groups must be a non-negative number or lists of parameters, "
+                             f"not {groups}")
+        base, extra = divmod(len(params), groups)
+        lists, at = [], 0
+        for g in range(groups):
+            width = base + (1 if g < extra else 0)
+            if width:
+                lists.append(params[at:at + width])
+            at += width
+    elif isinstance(groups, (list, tuple)) and all(isinstance(g, (list, tuple))
+                                                   for g in groups):
+        known = {id(p) for p in params}
+        lists, seen = [], set()
+        for g in groups:
+            for p in g:
+                if id(p) not in known:
+                    raise ValueError("groups names a parameter the optimizer does not train "
+                                     f"(shape {tuple(getattr(p, 'shape', ()))})")
+                if id(p) in seen:
+                    raise ValueError("groups names a parameter twice "
+                                     f"(shape {tuple(p.shape)})")
+                seen.add(id(p))
+            if g:
+                lists.append(list(g))
+    else:
+        raise ValueError(f"groups must be a non-negative number or lists of parameters, not "
+                         f"{type(groups).__name__}")
+    return {id(p): k for k, g in enumerate(lists) for p in g}, lists
