@@ -11,12 +11,14 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
+mod support;
+
 use std::time::Duration;
 
 use std::sync::{Arc, Mutex};
 
 use hvd_agent::auth::{CONTEXT, Handshake, Nonce, Role, Tag};
-use hvd_agent::{AgentError, FromAgent, Stream, ToAgent, connect, serve};
+use hvd_agent::{AgentError, FromAgent, Limits, Stream, ToAgent, connect};
 use hvd_rendezvous::{MAX_LINE, ProtocolError, decode_line, encode_line};
 use lines::{Edit, check, edits};
 use proptest::collection::vec;
@@ -116,15 +118,9 @@ proptest! {
     }
 }
 
-/// An agent serving on a free port until the sender is dropped.
+/// An agent serving on a free port until the returned sender is dropped.
 async fn agent() -> (String, oneshot::Sender<()>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(serve(listener, SECRET.into(), async move {
-        let _ = rx.await;
-    }));
-    (addr, tx)
+    support::agent_with(SECRET, Limits::default()).await
 }
 
 /// Sends `bytes` and reads what comes back until the agent closes the connection (a

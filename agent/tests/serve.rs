@@ -5,13 +5,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::time::Duration;
 
 use hvd_agent::auth::{CONTEXT, Handshake, Nonce, Role, Tag};
-use hvd_agent::{
-    AgentError, Events, FromAgent, Limits, Requests, Stream, ToAgent, connect, serve,
-    serve_with_limits,
-};
+use hvd_agent::{AgentError, Events, FromAgent, Limits, Requests, Stream, ToAgent, connect, serve};
 use hvd_rendezvous::{decode_line, encode_line};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
@@ -23,29 +22,12 @@ const T: Duration = Duration::from_secs(10);
 
 /// An agent serving on a free port until the returned sender is dropped.
 async fn agent() -> (String, oneshot::Sender<()>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(serve(listener, SECRET.into(), async move {
-        let _ = rx.await;
-    }));
-    (addr, tx)
+    support::agent_with(SECRET, Limits::default()).await
 }
 
 /// An agent with the given connection limits, serving until the sender is dropped.
 async fn limited_agent(limits: Limits) -> (String, oneshot::Sender<()>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(serve_with_limits(
-        listener,
-        SECRET.into(),
-        limits,
-        async move {
-            let _ = rx.await;
-        },
-    ));
-    (addr, tx)
+    support::agent_with(SECRET, limits).await
 }
 
 /// A connection to an agent driven byte by byte, without the client library.
