@@ -93,6 +93,17 @@ impl<T: bytemuck::Pod> HugeBuffer<T> {
     }
 }
 
+/// An empty buffer (on the heap, holding nothing).
+impl<T: bytemuck::Pod> Default for HugeBuffer<T> {
+    fn default() -> Self {
+        Self {
+            store: Store::Heap(Vec::new()),
+            len: 0,
+            huge: false,
+        }
+    }
+}
+
 impl<T: bytemuck::Pod> Deref for HugeBuffer<T> {
     type Target = [T];
 

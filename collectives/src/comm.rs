@@ -45,6 +45,9 @@ pub struct Communicator {
     /// The cores this machine's ranks share, agreed by all of them (so that every rank plans
     /// the same crowded-host layout).
     cores: usize,
+    /// Driven by a background thread beside the program's own (the engine's): waits give
+    /// way at once (yield, then sleep) instead of spinning on a core the program computes on.
+    background: bool,
     /// Further connections to each peer, over which the ring stripes its segments.
     extra: Vec<Vec<TcpStream>>,
     /// The same-host reduce's staging memory, kept between calls so that a call neither
@@ -321,6 +324,7 @@ impl Communicator {
         c.cma = cma;
         c.machine_ranks = self.machine_ranks;
         c.cores = self.cores;
+        c.background = self.background;
         Ok(c)
     }
 
@@ -443,6 +447,7 @@ impl Communicator {
             posted: None,
             machine_ranks: 1,
             cores: cores(),
+            background: false,
             extra: (0..n).map(|_| Vec::new()).collect(),
             staging: Vec::new(),
         }
@@ -477,6 +482,16 @@ impl Communicator {
     }
 
     /// Whether more ranks of the world run on this machine than it has cores.
+    /// Marks this communicator (and its host and cross-host parts) as driven by a background
+    /// thread, whose waits must not spin on the program's cores, or not.
+    pub(crate) fn set_background(&mut self, on: bool) {
+        self.background = on;
+        if let Some(h) = self.hier.as_mut() {
+            h.local.set_background(on);
+            h.cross.set_background(on);
+        }
+    }
+
     pub(crate) fn crowded(&self) -> bool {
         self.size().max(self.machine_ranks) > self.cores
     }
@@ -770,7 +785,7 @@ impl Communicator {
         let mut pending: Vec<usize> = (1..n).map(|k| (r + k) % n).collect();
         let started = std::time::Instant::now();
         // Ranks of other host groups may share this machine's cores too.
-        let crowded = self.crowded();
+        let spin = !self.crowded() && !self.background;
         let mut rounds = 0u32;
         loop {
             let mut i = 0;
@@ -836,7 +851,7 @@ impl Communicator {
                 }
             }
             let waited = started.elapsed();
-            if !crowded && waited < Duration::from_micros(200) {
+            if spin && waited < Duration::from_micros(200) {
                 std::hint::spin_loop();
             } else if waited < Duration::from_millis(2) {
                 thread::yield_now();

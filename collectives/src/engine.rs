@@ -27,6 +27,7 @@ use std::sync::{Arc, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::buffer::HugeBuffer;
 use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{CommError, Result};
@@ -688,7 +689,10 @@ struct Worker {
     /// Rank 0's clock when each name was first seen pending on some rank.
     first_seen: HashMap<String, u64>,
     stopping: bool,
-    fusion: Vec<u64>,
+    /// The fusion buffer, in its own mapping from 2 MiB on (huge pages where the kernel has
+    /// them), so it goes back to the system when the engine stops whatever malloc's mmap
+    /// threshold; it only grows.
+    fusion: HugeBuffer<u64>,
     cache: Cache,
     /// When this cycle's ops were agreed; they queue from then until each runs.
     agreed: Instant,
@@ -700,7 +704,8 @@ struct Worker {
 }
 
 impl Worker {
-    fn new(comm: Communicator, cfg: EngineConfig, rx: mpsc::Receiver<Command>) -> Self {
+    fn new(mut comm: Communicator, cfg: EngineConfig, rx: mpsc::Receiver<Command>) -> Self {
+        comm.set_background(true);
         Self {
             comm,
             cache: Cache::new(cfg.cache_capacity),
@@ -710,7 +715,7 @@ impl Worker {
             started: Instant::now(),
             first_seen: HashMap::new(),
             stopping: false,
-            fusion: Vec::new(),
+            fusion: HugeBuffer::default(),
             agreed: Instant::now(),
             join: None,
             joined: Vec::new(),
@@ -795,6 +800,7 @@ impl Worker {
             }));
         }
         self.fail_join("the engine stopped");
+        self.comm.set_background(false);
         self.comm
     }
 
@@ -1117,7 +1123,15 @@ impl Worker {
             return Ok(());
         }
         let total: usize = batch.iter().map(|r| r.tensor.bytes().len()).sum();
-        self.fusion.resize(total.div_ceil(8), 0);
+        let words = total.div_ceil(8);
+        if self.fusion.len() < words {
+            // Grown once to the largest batch so far, rounded up to limit regrowth.
+            let grown = words.next_power_of_two().max(words);
+            self.fusion = HugeBuffer::zeroed(grown).map_err(|source| CommError::Io {
+                context: format!("allocating a fusion buffer of {} bytes", grown * 8),
+                source,
+            })?;
+        }
         {
             let buf: &mut [u8] = bytemuck::cast_slice_mut(&mut self.fusion[..]);
             let mut at = 0;
@@ -1129,7 +1143,7 @@ impl Worker {
         }
         self.trace(&batch, "MEMCPY_IN_FUSION_BUFFER", start);
         let start = Instant::now();
-        reduce_bytes(&mut self.comm, dtype, op, &mut self.fusion, total)?;
+        reduce_bytes(&mut self.comm, dtype, op, &mut self.fusion[..words], total)?;
         self.trace(&batch, "ALLREDUCE", start);
         let start = Instant::now();
         let buf: &[u8] = bytemuck::cast_slice(&self.fusion[..]);

@@ -46,7 +46,7 @@ pub const ENV_TCP_STREAMS: &str = "HVD_TCP_STREAMS";
 /// Most connections per peer `HVD_TCP_STREAMS` may ask for (the collectives' limit).
 pub const MAX_TCP_STREAMS: usize = 15;
 /// Set to `0` to keep `horovodrun` from asking the workers' allocators for transparent huge
-/// pages (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=2097152` for
+/// pages (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` for
 /// glibc's malloc, `THP_MEM_ALLOC_ENABLE=1` for PyTorch's; each unless the user set it).
 pub const ENV_HUGE_PAGES: &str = "HVD_HUGE_PAGES";
 /// File every rank appends its engine timeline to (a Chrome trace; `--timeline-filename`).
