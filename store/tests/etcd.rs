@@ -1,0 +1,176 @@
+//! The state store against a real etcd (Debian's `etcd-server`, installed on first use): the
+//! election, fencing, the record, a standby taking over, and etcd going away and coming back.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
+
+#[path = "support/etcd.rs"]
+mod etcd;
+
+use std::time::{Duration, Instant};
+
+use etcd::Etcd;
+use hvd_store::{Campaign, Leader, Store, StoreError, StoreUrl};
+
+const T: Duration = Duration::from_secs(5);
+
+fn me(id: &str) -> Leader {
+    Leader {
+        id: id.into(),
+        address: format!("127.0.0.1:{}", 1000 + id.len()),
+    }
+}
+
+async fn store(e: &Etcd, prefix: &str) -> Store {
+    let url: StoreUrl = e.url(prefix).parse().unwrap();
+    Store::connect(&url, T).await.unwrap()
+}
+
+#[tokio::test]
+async fn an_unreachable_store_is_named_in_the_error() {
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url: StoreUrl = format!("etcd://127.0.0.1:{port}/job").parse().unwrap();
+    let t = Instant::now();
+    let e = Store::connect(&url, Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::Unreachable { .. }), "{e:?}");
+    assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+}
+
+/// Two drivers campaign at once: one wins, the other learns who; the record written by the
+/// winner is read back; a driver that resigned can write no more (fencing), and the next
+/// one elected reads what the first wrote.
+#[tokio::test]
+async fn one_driver_acts_and_a_resigned_one_is_fenced() {
+    let e = Etcd::start();
+    let (a, b) = (store(&e, "jobs/one").await, store(&e, "jobs/one").await);
+    let (ma, mb) = (me("a"), me("bb"));
+    let (ra, rb) = tokio::join!(a.campaign(&ma, T), b.campaign(&mb, T));
+    let (winner, lead, loser, held) = match (ra.unwrap(), rb.unwrap()) {
+        (Campaign::Won(l), Campaign::Held(h)) => (&a, l, &b, h),
+        (Campaign::Held(h), Campaign::Won(l)) => (&b, l, &a, h),
+        other => panic!("not exactly one winner: {other:?}"),
+    };
+    let winner_id = if std::ptr::eq(winner, &a) { "a" } else { "bb" };
+    assert_eq!(held, me(winner_id));
+    assert_eq!(loser.leader().await.unwrap(), Some(me(winner_id)));
+    assert_eq!(winner.load().await.unwrap(), None);
+    winner.save(&lead, b"generation 3").await.unwrap();
+    assert_eq!(
+        loser.load().await.unwrap().as_deref(),
+        Some(&b"generation 3"[..])
+    );
+    // Another job's prefix is another election.
+    let other = store(&e, "jobs/two").await;
+    assert!(matches!(
+        other.campaign(&me("c"), T).await.unwrap(),
+        Campaign::Won(_)
+    ));
+
+    let stale = Store::clone(winner);
+    winner.resign(lead).await.unwrap();
+    let next = match loser.campaign(&me("next"), T).await.unwrap() {
+        Campaign::Won(l) => l,
+        Campaign::Held(h) => panic!("the resigned driver still holds it: {h:?}"),
+    };
+    assert_eq!(
+        loser.load().await.unwrap().as_deref(),
+        Some(&b"generation 3"[..])
+    );
+    loser.save(&next, b"generation 4").await.unwrap();
+    // The old driver's leadership: a fresh campaign shows who acts; and a write with the
+    // leadership it had before is refused.
+    match stale.campaign(&me("old"), T).await.unwrap() {
+        Campaign::Held(h) => assert_eq!(h, me("next")),
+        Campaign::Won(_) => panic!("two drivers active"),
+    }
+    loser.clear(&next).await.unwrap();
+    assert_eq!(loser.load().await.unwrap(), None);
+}
+
+/// A driver whose lease lapses (it stopped renewing: dead, or cut off) is replaced by a
+/// standby within the lease's TTL and a second, and its own writes are refused.
+#[tokio::test]
+async fn a_standby_takes_over_when_the_lease_lapses() {
+    let e = Etcd::start();
+    let (a, b) = (
+        store(&e, "jobs/standby").await,
+        store(&e, "jobs/standby").await,
+    );
+    let ttl = Duration::from_secs(2);
+    let lead = match a.campaign(&me("active"), ttl).await.unwrap() {
+        Campaign::Won(l) => l,
+        Campaign::Held(h) => panic!("{h:?}"),
+    };
+    a.save(&lead, b"record").await.unwrap();
+    let standby = tokio::spawn(async move {
+        let l = b.wait_for_leadership(&me("standby"), ttl).await.unwrap();
+        (Instant::now(), b, l)
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !standby.is_finished(),
+        "the standby took over a live driver"
+    );
+    // The active driver stops renewing: as if its process died.
+    let died = Instant::now();
+    let stale_created = a.clone();
+    drop(lead);
+    let (took_over, b, next) = tokio::time::timeout(Duration::from_secs(10), standby)
+        .await
+        .expect("the standby never took over")
+        .unwrap();
+    let failover = took_over - died;
+    println!("failover after the lease stopped: {failover:?} (ttl {ttl:?})");
+    assert!(failover <= ttl + Duration::from_secs(1), "{failover:?}");
+    assert_eq!(b.load().await.unwrap().as_deref(), Some(&b"record"[..]));
+    b.save(&next, b"newer").await.unwrap();
+    assert_eq!(stale_created.leader().await.unwrap(), Some(me("standby")));
+}
+
+/// etcd goes away mid-job: the active driver's writes fail with an error naming the
+/// endpoint, and its leadership is reported lost within the TTL (it must stop acting); when
+/// etcd returns, a campaign works again.
+#[tokio::test]
+async fn losing_etcd_loses_the_leadership_and_its_return_restores_the_store() {
+    let mut e = Etcd::start();
+    let a = store(&e, "jobs/lost").await;
+    let ttl = Duration::from_secs(2);
+    let lead = match a.campaign(&me("a"), ttl).await.unwrap() {
+        Campaign::Won(l) => l,
+        Campaign::Held(h) => panic!("{h:?}"),
+    };
+    a.save(&lead, b"before").await.unwrap();
+    e.kill();
+    let t = Instant::now();
+    let why = tokio::time::timeout(Duration::from_secs(10), lead.lost())
+        .await
+        .expect("the lost lease was never reported");
+    assert!(
+        t.elapsed() <= ttl + Duration::from_secs(1),
+        "{:?}: {why}",
+        t.elapsed()
+    );
+    assert!(lead.is_lost());
+    let err = a.save(&lead, b"during").await.unwrap_err();
+    assert!(err.to_string().contains(&e.endpoint()), "{err}");
+    e.resume();
+    // The old lease may outlive the outage in etcd's view (leases are extended on a
+    // restart): a fresh campaign waits for it, and reads the record kept across it.
+    let b = store(&e, "jobs/lost").await;
+    let next = tokio::time::timeout(
+        Duration::from_secs(20),
+        b.wait_for_leadership(&me("b"), ttl),
+    )
+    .await
+    .expect("no leadership after etcd returned")
+    .unwrap();
+    assert_eq!(b.load().await.unwrap().as_deref(), Some(&b"before"[..]));
+    b.save(&next, b"after").await.unwrap();
+}
