@@ -26,7 +26,7 @@ pub enum CooldownRangeError {
 
 /// Bounds of the blacklist cooldown: the first failure waits `lo`, each further one doubles it,
 /// up to `hi`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CooldownRange {
     /// Cooldown after a host's first failure, and the unit of jitter.
     pub lo: Duration,
@@ -123,7 +123,7 @@ impl fmt::Display for Released {
 }
 
 /// Where one host stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 enum State {
     /// Usable (never blacklisted, or released).
     Free,
@@ -133,7 +133,7 @@ enum State {
     Forever,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Entry {
     failures: u32,
     state: State,
@@ -149,8 +149,9 @@ impl Entry {
     }
 }
 
-/// Failed hosts and their cooldowns; a pure state machine driven by the caller's clock.
-#[derive(Debug, Clone)]
+/// Failed hosts and their cooldowns; a pure state machine driven by the caller's clock. It
+/// serializes whole (a successor driver reads it back from the state store).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Blacklist {
     cooldown: Option<CooldownRange>,
     // Ordered so listings and releases come out in a stable order.

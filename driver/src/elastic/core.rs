@@ -26,7 +26,7 @@ use hvd_rendezvous::{HostSlots, Placement, SlotInfo, assign_static};
 pub type WorkerId = u64;
 
 /// The job's elastic parameters.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Config {
     /// Slots needed before training starts (`-np`).
     pub np: usize,
@@ -209,7 +209,7 @@ pub struct Snapshot {
     pub resets: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 enum Phase {
     /// Spawned; no rendezvous connection yet.
     Starting,
@@ -225,7 +225,7 @@ enum Phase {
     Exited,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Worker {
     host: String,
     local_rank: usize,
@@ -245,8 +245,9 @@ impl Worker {
     }
 }
 
-/// The elastic driver's state. Feed it with [`Core::handle`].
-#[derive(Debug)]
+/// The elastic driver's state. Feed it with [`Core::handle`]. It serializes whole
+/// ([`Core::save`]), so that a successor driver carries on from the last decision.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct Core {
     cfg: Config,
     rng: u64,
@@ -278,8 +279,9 @@ pub struct Core {
     /// The exit code the job finished with.
     outcome: Option<u8>,
     /// When each blacklisted host's cooldown ends (`None`: for good), as of its last failure.
-    cooldown_ends: HashMap<String, Option<Duration>>,
-    /// Live workers by slot `(host, local_rank)`.
+    cooldown_ends: BTreeMap<String, Option<Duration>>,
+    /// Live workers by slot `(host, local_rank)`; rebuilt from `workers` on a restore.
+    #[serde(skip)]
     live_at: HashMap<(String, usize), WorkerId>,
     /// The reason of the last failed discovery poll, while polls keep failing.
     discovery_error: Option<String>,
@@ -321,12 +323,32 @@ impl Core {
             announced_hosts: BTreeSet::new(),
             finished: false,
             outcome: None,
-            cooldown_ends: HashMap::new(),
+            cooldown_ends: BTreeMap::new(),
             live_at: HashMap::new(),
             discovery_error: None,
             keeping: None,
             failed_early: false,
         }
+    }
+
+    /// The whole state, as JSON: what a successor driver needs to carry on.
+    ///
+    /// # Errors
+    /// Serialization failed (it cannot for this type; reported, not assumed).
+    pub fn save(&self) -> Result<Vec<u8>, serde_json::Error> {
+        serde_json::to_vec(self)
+    }
+
+    /// A core carrying on from `saved` (written by [`Core::save`]) with the parameters `cfg`
+    /// of the driver taking over.
+    ///
+    /// # Errors
+    /// `saved` is not a saved core.
+    pub fn restore(cfg: Config, saved: &[u8]) -> Result<Self, serde_json::Error> {
+        let mut core: Self = serde_json::from_slice(saved)?;
+        core.cfg = cfg;
+        core.index_slots();
+        Ok(core)
     }
 
     /// Whether the job is over.
@@ -866,6 +888,11 @@ impl Core {
         let current: HashSet<WorkerId> = self.current.iter().copied().collect();
         self.workers
             .retain(|id, w| w.phase != Phase::Exited || current.contains(id));
+        self.index_slots();
+    }
+
+    /// Rebuilds the index of live workers by slot.
+    fn index_slots(&mut self) {
         self.live_at = self
             .workers
             .iter()
@@ -1460,6 +1487,101 @@ mod tests {
         // Without a failure, the first round still waits for -np.
         let mut patient = Core::new(cfg(4, 2, 4));
         assert!(started(&patient.handle(secs(0), hosts(&[("a", 2)]))).is_empty());
+    }
+
+    /// A core saved at any point and restored decides exactly as the original from there on:
+    /// through a failure with a cooldown, a blacklisting, a host added and a finish.
+    #[test]
+    fn a_restored_core_decides_as_the_original_would() {
+        let mut c = cfg(4, 2, 6);
+        c.cooldown = Some(hvd_discovery::CooldownRange {
+            lo: secs(10),
+            hi: secs(100),
+        });
+        let (core, ids) = running(c.clone(), &[("a", 2), ("b", 2)]);
+        let script: Vec<(u64, Input)> = vec![
+            (
+                5,
+                Input::Exited {
+                    worker: ids[0],
+                    exit: killed(),
+                },
+            ),
+            (
+                5,
+                Input::Joined {
+                    worker: ids[2],
+                    reason: "peer lost".into(),
+                },
+            ),
+            (
+                5,
+                Input::Joined {
+                    worker: ids[3],
+                    reason: "peer lost".into(),
+                },
+            ),
+            (
+                6,
+                Input::Exited {
+                    worker: ids[1],
+                    exit: killed(),
+                },
+            ),
+            (8, hosts(&[("a", 2), ("b", 2), ("c", 2)])),
+            (9, Input::Registered(100)),
+            (20, Input::Tick),
+            (21, hosts(&[("a", 2), ("b", 2), ("c", 2)])),
+            (
+                30,
+                Input::Exited {
+                    worker: ids[2],
+                    exit: ok(),
+                },
+            ),
+            (
+                30,
+                Input::Exited {
+                    worker: ids[3],
+                    exit: ok(),
+                },
+            ),
+        ];
+        for cut in 0..=script.len() {
+            let mut original = Core::restore(c.clone(), &core.save().unwrap()).unwrap();
+            let mut ended = Vec::new();
+            for (t, input) in &script[..cut] {
+                ended.push(original.handle(secs(*t), input.clone()));
+            }
+            let mut restored = Core::restore(c.clone(), &original.save().unwrap()).unwrap();
+            for (t, input) in &script[cut..] {
+                // Workers the original started after the cut register in both.
+                let input = match input {
+                    Input::Registered(_) => match started(ended.last().map_or(&[][..], |v| v)) {
+                        s if !s.is_empty() => Input::Registered(s[0].0),
+                        _ => Input::Tick,
+                    },
+                    i => i.clone(),
+                };
+                let (a, b) = (
+                    original.handle(secs(*t), input.clone()),
+                    restored.handle(secs(*t), input),
+                );
+                assert_eq!(a, b, "cut at {cut}, input at {t} s");
+                ended.push(a);
+            }
+            assert_eq!(
+                original.snapshot(secs(40)),
+                restored.snapshot(secs(40)),
+                "cut at {cut}"
+            );
+            assert_eq!(
+                original.save().unwrap(),
+                restored.save().unwrap(),
+                "cut at {cut}"
+            );
+        }
+        assert!(Core::restore(c, b"{}").is_err());
     }
 
     #[test]
