@@ -169,6 +169,33 @@ pub struct Args {
     #[arg(long = "status-port", value_name = "PORT")]
     pub status_port: Option<u16>,
 
+    /// Elastic: keep the driver's state in etcd, `etcd://HOST:PORT[,HOST:PORT…]/PREFIX` (env
+    /// HVD_STATE_STORE), so that a driver that dies is replaced (see --standby) and its workers
+    /// train on meanwhile. Needs the job's secret in HVD_SECRET and a fixed
+    /// --rendezvous-port, which every driver of the job shares.
+    #[arg(long = "state-store", value_name = "URL")]
+    pub state_store: Option<String>,
+
+    /// With --state-store: wait while another driver of the job is active, and take over its
+    /// workers when it goes away.
+    #[arg(long = "standby")]
+    pub standby: bool,
+
+    /// With --state-store: seconds the active driver's lease lives without renewal; a standby
+    /// takes over this long after the active driver stops (default 10).
+    #[arg(long = "state-store-ttl", value_name = "SECS")]
+    pub state_store_ttl: Option<f64>,
+
+    /// With --state-store: seconds workers train on without a driver, reconnecting, before
+    /// they give up and exit (default 60).
+    #[arg(long = "driver-grace", value_name = "SECS")]
+    pub driver_grace: Option<f64>,
+
+    /// The port of the driver's rendezvous (default any free port). With --state-store it is
+    /// required: a successor serves on the same one, where the workers look for it.
+    #[arg(long = "rendezvous-port", value_name = "PORT")]
+    pub rendezvous_port: Option<u16>,
+
     /// Elastic: where hosts come from: `script` (implied by --host-discovery-script) or
     /// `kubernetes` (the Ready pods matching --selector). Turns elastic mode on.
     #[arg(long = "discovery", value_enum, value_name = "SOURCE")]

@@ -6,6 +6,8 @@
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use hvd_rendezvous::{self as rv, SlotInfo};
@@ -253,6 +255,56 @@ pub struct Launcher {
     pub exits: mpsc::Sender<Exit>,
     /// With `--launcher agent`: the agents every worker is started through.
     pub agents: Option<Agents>,
+    /// Where local workers write their output when it must outlive this driver (a job with a
+    /// state store): a file per worker and stream, which the driver tails. Through a pipe, a
+    /// worker would die on its next line once the driver is gone.
+    pub spool: Option<PathBuf>,
+}
+
+/// The file of `stream` (`stdout`, `stderr`) of worker `id` in a spool directory.
+pub fn spool_file(dir: &std::path::Path, id: u64, stream: &str) -> PathBuf {
+    dir.join(format!("worker.{id}.{stream}"))
+}
+
+/// Relays the lines a worker writes to `path` (as [`relay`] does a pipe's), from its start or
+/// from its current end, until `ended` is set and the file is read to its end.
+pub fn tail(
+    label: String,
+    stream_name: &'static str,
+    path: PathBuf,
+    from_end: bool,
+    ended: Arc<AtomicBool>,
+    log: Option<PathBuf>,
+) -> tokio::task::JoinHandle<()> {
+    use tokio::io::{AsyncReadExt, AsyncSeekExt};
+    let (mut tx, rx) = tokio::io::duplex(64 * 1024);
+    tokio::spawn(async move {
+        let mut f = match tokio::fs::File::open(&path).await {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::error!(path = %path.display(), error = %e, "cannot read a worker's output");
+                return;
+            }
+        };
+        if from_end && f.seek(std::io::SeekFrom::End(0)).await.is_err() {
+            return;
+        }
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            // Read after checking: what the worker wrote before it ended is all there.
+            let done = ended.load(Ordering::SeqCst);
+            match f.read(&mut buf).await {
+                Ok(0) | Err(_) if done => return,
+                Ok(0) | Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Ok(n) => {
+                    if tx.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    tokio::spawn(relay(label, stream_name, rx, log))
 }
 
 /// A started worker.
@@ -317,6 +369,7 @@ impl Launcher {
                 LaunchMode::Auto => None,
                 LaunchMode::Agent { port, secret } => Some(Agents::new(*port, secret.clone())),
             },
+            spool: None,
         })
     }
 
@@ -371,17 +424,39 @@ impl Launcher {
             c
         };
         // Its own process group, so stopping a worker stops whatever it started too.
-        cmd.process_group(0)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
+        cmd.process_group(0).stdin(Stdio::null()).kill_on_drop(true);
+        let spool = self.spool.as_ref().filter(|_| local);
+        let ended = Arc::new(AtomicBool::new(false));
+        let mut relays = Vec::new();
+        if let Some(dir) = spool {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("creating the output spool {}: {e}", dir.display()))?;
+            for (name, out) in [("stdout", true), ("stderr", false)] {
+                let path = spool_file(dir, id, name);
+                let f = std::fs::File::create(&path)
+                    .map_err(|e| format!("creating {}: {e}", path.display()))?;
+                if out {
+                    cmd.stdout(Stdio::from(f));
+                } else {
+                    cmd.stderr(Stdio::from(f));
+                }
+                relays.push(tail(
+                    label.to_string(),
+                    name,
+                    path,
+                    false,
+                    Arc::clone(&ended),
+                    file(name),
+                ));
+            }
+        } else {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
         let mut child = cmd
             .spawn()
             .map_err(|e| format!("{}: {e}", self.command[0]))?;
         let pid = child.id().and_then(|p| i32::try_from(p).ok());
         tracing::debug!(worker = id, host, ?pid, "worker started");
-        let mut relays = Vec::new();
         if let Some(out) = child.stdout.take() {
             relays.push(tokio::spawn(relay(
                 label.to_string(),
@@ -407,6 +482,7 @@ impl Launcher {
                     ExitStatus::from_raw(1 << 8)
                 }
             };
+            ended.store(true, Ordering::SeqCst);
             // The job may be over; then nobody listens.
             let end = Ended::Status(status);
             let _ = exits.send(Exit { worker: id, end }).await;

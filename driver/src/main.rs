@@ -46,6 +46,17 @@ fn main() -> ExitCode {
     {
         return drive(plan_elastic(&args), elastic::run::run, report_elastic);
     }
+    if args.state_store.is_some() || args.standby {
+        let e = anyhow::anyhow!(
+            "--state-store and --standby apply to elastic jobs (--min-np or \
+             --host-discovery-script): a static job ends with any failure"
+        );
+        return drive(
+            Err::<((), ()), _>(e),
+            |_| async { Ok(()) },
+            |()| ExitCode::SUCCESS,
+        );
+    }
     drive(
         plan(&args).map(|s| (s.slots.len(), s)),
         |(np, spec)| async move { job::run(spec).await.map(|o| (o, np)) },
@@ -214,7 +225,63 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
         launch: launch_mode(args, std::env::var(hvd_agent::ENV_AGENT_SECRET).ok())?,
         status_port: args.status_port,
         heartbeat_timeout: heartbeat_timeout(args)?,
+        rendezvous_port: args.rendezvous_port,
+        store: store_spec(args, |k| std::env::var(k))?,
     })
+}
+
+/// `--state-store` and its companions; `var` reads the environment (`HVD_STATE_STORE`, the
+/// job's secret in `HVD_SECRET`).
+fn store_spec(
+    args: &cli::Args,
+    var: impl Fn(&str) -> Result<String, std::env::VarError>,
+) -> anyhow::Result<Option<elastic::control::StoreSpec>> {
+    let Some(url) = args
+        .state_store
+        .clone()
+        .or_else(|| var("HVD_STATE_STORE").ok().filter(|v| !v.trim().is_empty()))
+    else {
+        for (set, flag) in [
+            (args.standby, "--standby"),
+            (args.state_store_ttl.is_some(), "--state-store-ttl"),
+            (args.driver_grace.is_some(), "--driver-grace"),
+        ] {
+            if set {
+                bail!("{flag} needs --state-store (or HVD_STATE_STORE)");
+            }
+        }
+        return Ok(None);
+    };
+    let url: hvd_store::StoreUrl = url.trim().parse()?;
+    let secret = var(hvd_rendezvous::ENV_SECRET)
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .with_context(|| {
+            format!(
+                "--state-store needs the job's secret in {}, the same for every driver of the \
+                 job: a driver that takes over presents it to the workers",
+                hvd_rendezvous::ENV_SECRET
+            )
+        })?;
+    if args.rendezvous_port.is_none_or(|p| p == 0) {
+        bail!(
+            "--state-store needs a fixed --rendezvous-port: the workers of a driver that goes \
+             away look for its successor there"
+        );
+    }
+    let ttl = positive(args.state_store_ttl.unwrap_or(10.0), "--state-store-ttl")?;
+    if ttl < std::time::Duration::from_secs(1) {
+        bail!("--state-store-ttl must be at least 1 second (etcd leases count whole seconds)");
+    }
+    Ok(Some(elastic::control::StoreSpec {
+        url,
+        standby: args.standby,
+        ttl,
+        grace: positive(args.driver_grace.unwrap_or(60.0), "--driver-grace")?,
+        secret,
+        args: std::env::args().collect(),
+    }))
 }
 
 /// How workers are started, from `--launcher`, `--agent-port` and the agent secret (from

@@ -37,6 +37,8 @@ pub struct Registration {
     pub host: String,
     /// Its process id.
     pub pid: u32,
+    /// The round it trains in, when it reconnects after losing its driver.
+    pub resume: Option<u64>,
     /// Messages queued here are sealed and written to the worker in order; dropping it
     /// closes the connection.
     pub tx: mpsc::UnboundedSender<DriverMsg>,
@@ -199,6 +201,7 @@ async fn handle(
         addr,
         host,
         pid,
+        resume,
     } = msg
     else {
         return Err(refuse_sealed(w, &mut sealer, "expected a registration".into()).await);
@@ -229,6 +232,7 @@ async fn handle(
         addr,
         host,
         pid,
+        resume,
         tx,
     };
     if events.send(Wire::Registered(reg)).await.is_err() {
@@ -366,6 +370,7 @@ mod tests {
                 addr: format!("127.0.0.1:{}", 5000 + worker),
                 host: "127.0.0.1".into(),
                 pid: 1,
+                resume: None,
             };
             c.write(&seal_line(&mut sealer, &reg).unwrap()).await;
             (c, sealer, opener)

@@ -1151,6 +1151,7 @@ fn intruders_at_the_rendezvous_are_refused_and_the_job_is_unharmed() {
         addr: "127.0.0.9:1".into(),
         host: "127.0.0.9".into(),
         pid: 1,
+        resume: None,
     };
     let foreign = seal_line(&mut sealer, &reg).unwrap();
     let mut third = Intruder::connect(&addr);

@@ -214,6 +214,7 @@ mod tests {
             addr: "127.0.0.3:5000".into(),
             host: "127.0.0.3".into(),
             pid: 42,
+            resume: None,
         }
     }
 

@@ -62,3 +62,7 @@ pub const ENV_WORKER_ID: &str = "HVD_WORKER_ID";
 pub const ENV_ELASTIC: &str = "HOROVOD_ELASTIC";
 /// Seconds a worker waits in a rendezvous round before giving up (Horovod's elastic timeout).
 pub const ENV_ELASTIC_TIMEOUT: &str = "HOROVOD_ELASTIC_TIMEOUT";
+/// Seconds a worker trains on without its driver, reconnecting to the same rendezvous
+/// address, before it exits (`--driver-grace`; set only with a state store: without one a
+/// worker whose driver is gone exits at once).
+pub const ENV_DRIVER_GRACE: &str = "HVD_DRIVER_GRACE";

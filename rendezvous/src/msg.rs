@@ -20,6 +20,10 @@ pub enum WorkerMsg {
         host: String,
         /// The worker's process id, for the driver's log.
         pid: u32,
+        /// Set when the worker reconnects after losing its driver (jobs with a state store):
+        /// the round it trains in. The driver that took over adopts it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resume: Option<u64>,
     },
     /// Asks to join the next rendezvous round (elastic jobs): after a collective failed, or
     /// after the driver announced a host change.
@@ -202,6 +206,7 @@ mod tests {
             addr: "127.0.0.3:5000".into(),
             host: "127.0.0.3".into(),
             pid: 42,
+            resume: None,
         };
         let line = encode_line(&m).unwrap();
         assert!(line.ends_with(b"\n"));

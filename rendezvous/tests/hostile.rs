@@ -37,6 +37,7 @@ fn worker_msg() -> impl Strategy<Value = WorkerMsg> {
                 addr,
                 host,
                 pid,
+                resume: None,
             }
         }),
         (any::<u64>(), any::<u64>(), text()).prop_map(|(worker, generation, reason)| {

@@ -42,6 +42,13 @@ pub(crate) enum Round {
 pub(crate) struct Inbox {
     /// The highest `update_id` announced so far (0: none).
     pub latest_update: AtomicU64,
+    /// The newest round the driver placed this worker in (0: none yet).
+    generation: AtomicU64,
+    /// A join request the driver has not answered yet: sent again to a driver that took
+    /// over, which never saw it.
+    pending_join: Mutex<Option<WorkerMsg>>,
+    /// The reader reconnects to a driver when its connection drops (a state store's job).
+    redial: AtomicBool,
     aborts: Mutex<Aborts>,
 }
 
@@ -55,6 +62,11 @@ struct Aborts {
 }
 
 impl Inbox {
+    /// Whether a lost driver connection is redialed rather than the end of this worker.
+    fn redialing(&self) -> bool {
+        self.redial.load(Ordering::SeqCst)
+    }
+
     /// Registers a communicator of round `generation`, forgetting those of older rounds; one
     /// registered after the driver aborted its round is aborted at once. A handle registered
     /// before its communicator connects (see `Communicator::connect_abortable`) cancels the
@@ -155,26 +167,8 @@ impl Client {
             addr: l.rendezvous.clone(),
             detail,
         };
-        let target = l
-            .rendezvous
-            .to_socket_addrs()
-            .map_err(|e| fail(e.to_string()))?
-            .next()
-            .ok_or_else(|| fail("address resolves to nothing".into()))?;
-        let mut stream = TcpStream::connect_timeout(&target, l.start_timeout)
-            .map_err(|e| fail(e.to_string()))?;
-        stream.set_nodelay(true).map_err(|e| fail(e.to_string()))?;
-        let mut reader = BufReader::new(stream.try_clone().map_err(|e| fail(e.to_string()))?);
-        let (sealer, opener) =
-            handshake(&mut stream, &mut reader, &l.secret, l.start_timeout).map_err(fail)?;
-        let writer = Arc::new(Mutex::new(Writer { stream, sealer }));
-        let hello = WorkerMsg::Register {
-            worker: l.worker,
-            addr: advertised.to_string(),
-            host: l.hostname.clone(),
-            pid: std::process::id(),
-        };
-        send(&writer, &hello).map_err(|e| fail(format!("registering: {e}")))?;
+        let (reader, writer, opener) = connect(l, advertised, None).map_err(fail)?;
+        let writer = Arc::new(Mutex::new(writer));
         let leaving = Arc::new(AtomicBool::new(false));
         let inbox = Arc::new(Inbox::default());
         let (tx, rounds) = mpsc::channel();
@@ -187,6 +181,11 @@ impl Client {
                 rounds: tx,
                 answer: Arc::clone(&writer),
                 worker: l.worker,
+                redial: l.driver_grace.map(|grace| Redial {
+                    launch: l.clone(),
+                    advertised: advertised.to_string(),
+                    grace,
+                }),
             },
         );
         let mut client = Self {
@@ -213,7 +212,19 @@ impl Client {
             generation,
             reason: reason.to_string(),
         };
-        send(&self.writer, &msg).map_err(|e| self.fail(format!("asking to join: {e}")))?;
+        *self
+            .inbox
+            .pending_join
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(msg.clone());
+        if let Err(e) = send(&self.writer, &msg) {
+            // With a grace, the reader reconnects and sends the join again.
+            if self.inbox.redialing() {
+                tracing::debug!(error = %e, "the join waits for a driver to reconnect to");
+            } else {
+                return Err(self.fail(format!("asking to join: {e}")));
+            }
+        }
         self.wait_round()
     }
 
@@ -272,6 +283,14 @@ impl Client {
                             })
                     })
                     .collect::<Result<Vec<_>>>()?;
+                self.inbox
+                    .generation
+                    .fetch_max(generation, Ordering::SeqCst);
+                *self
+                    .inbox
+                    .pending_join
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = None;
                 Ok(Round::World(World {
                     generation,
                     placement,
@@ -371,6 +390,73 @@ struct Reader {
     /// The connection's writing side, to answer aborts and pings.
     answer: Arc<Mutex<Writer>>,
     worker: u64,
+    /// With a state store: how to find a driver again when this one is gone.
+    redial: Option<Redial>,
+}
+
+/// What a worker needs to reconnect to the driver that takes over.
+struct Redial {
+    launch: Launch,
+    advertised: String,
+    /// How long it trains on without a driver before it exits.
+    grace: Duration,
+}
+
+/// Opens a rendezvous connection: connects, proves the job secret both ways and registers
+/// (`resume`: the round this worker trains in, when it reconnects after losing its driver).
+fn connect(
+    l: &Launch,
+    advertised: &str,
+    resume: Option<u64>,
+) -> std::result::Result<(BufReader<TcpStream>, Writer, Opener), String> {
+    let target = l
+        .rendezvous
+        .to_socket_addrs()
+        .map_err(|e| e.to_string())?
+        .next()
+        .ok_or_else(|| "address resolves to nothing".to_string())?;
+    let mut stream =
+        TcpStream::connect_timeout(&target, l.start_timeout).map_err(|e| e.to_string())?;
+    stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
+    let (sealer, opener) = handshake(&mut stream, &mut reader, &l.secret, l.start_timeout)?;
+    let writer = Mutex::new(Writer { stream, sealer });
+    let hello = WorkerMsg::Register {
+        worker: l.worker,
+        addr: advertised.to_string(),
+        host: l.hostname.clone(),
+        pid: std::process::id(),
+        resume,
+    };
+    send(&writer, &hello).map_err(|e| format!("registering: {e}"))?;
+    Ok((
+        reader,
+        writer.into_inner().unwrap_or_else(PoisonError::into_inner),
+        opener,
+    ))
+}
+
+/// Reconnects to whichever driver serves the rendezvous address, backing off from 100 ms to
+/// 500 ms between tries (a successor is found within half a second of serving), until
+/// `r.grace` has passed since `lost`; `None` then.
+fn redial(
+    r: &Redial,
+    inbox: &Inbox,
+    lost: Instant,
+) -> Option<(BufReader<TcpStream>, Writer, Opener)> {
+    let mut pause = Duration::from_millis(100);
+    let mut last_error = String::new();
+    while lost.elapsed() < r.grace {
+        let generation = inbox.generation.load(Ordering::SeqCst);
+        match connect(&r.launch, &r.advertised, Some(generation)) {
+            Ok(c) => return Some(c),
+            Err(e) => last_error = e,
+        }
+        thread::sleep(pause.min(r.grace.saturating_sub(lost.elapsed())));
+        pause = (pause * 2).min(Duration::from_millis(500));
+    }
+    tracing::debug!(error = %last_error, "the last try to reach a driver");
+    None
 }
 
 fn read_line(r: &mut BufReader<TcpStream>, buf: &mut Vec<u8>) -> std::io::Result<usize> {
@@ -393,14 +479,44 @@ fn spawn_reader(mut reader: BufReader<TcpStream>, r: Reader) {
         rounds,
         answer,
         worker,
+        redial: redial_with,
     } = r;
+    inbox.redial.store(redial_with.is_some(), Ordering::SeqCst);
     let spawned = thread::Builder::new()
         .name("hvd-driver-watch".into())
         .spawn(move || {
             let mut buf = Vec::new();
-            loop {
+            'connection: loop {
                 match read_line(&mut reader, &mut buf) {
-                    Ok(0) | Err(_) => break,
+                    Ok(0) | Err(_) => {
+                        if leaving.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        let Some(r) = redial_with.as_ref() else { break };
+                        let lost = Instant::now();
+                        tracing::warn!(grace = ?r.grace, "lost the driver; training on and reconnecting");
+                        let Some((rd, w, o)) = redial(r, &inbox, lost) else {
+                            let _ = writeln!(
+                                std::io::stderr(),
+                                "hvd: worker {worker} found no driver within --driver-grace \
+                                 ({:.0}s); exiting",
+                                r.grace.as_secs_f64()
+                            );
+                            std::process::exit(1);
+                        };
+                        (reader, opener) = (rd, o);
+                        *answer.lock().unwrap_or_else(PoisonError::into_inner) = w;
+                        tracing::info!(after = ?lost.elapsed(), "reconnected to a driver");
+                        let pending = inbox
+                            .pending_join
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .clone();
+                        if let Some(join) = pending {
+                            let _ = send(&answer, &join);
+                        }
+                        continue 'connection;
+                    }
                     Ok(_) => match open_line::<DriverMsg>(&mut opener, &buf) {
                         Ok(DriverMsg::HostsUpdated(u)) => {
                             tracing::debug!(update = ?u, "hosts updated");
@@ -431,7 +547,7 @@ fn spawn_reader(mut reader: BufReader<TcpStream>, r: Reader) {
                             // Tampered, replayed or not from this driver: nothing more on
                             // this connection can be trusted.
                             tracing::error!(error = %e, "message from the driver refused");
-                            break;
+                            break 'connection;
                         }
                     },
                 }

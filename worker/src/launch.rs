@@ -63,6 +63,9 @@ pub struct Launch {
     pub elastic: bool,
     /// How long a round may wait for enough hosts (`HOROVOD_ELASTIC_TIMEOUT`).
     pub elastic_timeout: Duration,
+    /// With a state store (`HVD_DRIVER_GRACE`): how long this worker trains on without its
+    /// driver, reconnecting, before it exits. `None`: it exits as soon as the driver is gone.
+    pub driver_grace: Option<Duration>,
     /// For tests only (`HVD_TEST_CONNECT_DELAY_MS`): the most a worker waits, a different
     /// time each round, before connecting a round's world, so that the connecting of a round
     /// spans long enough for a test to kill a member in the middle of it. Zero otherwise.
@@ -190,6 +193,10 @@ impl Launch {
             },
             elastic,
             elastic_timeout: seconds(env, rv::ENV_ELASTIC_TIMEOUT, 600.0)?,
+            driver_grace: match env.var(rv::ENV_DRIVER_GRACE) {
+                None => None,
+                Some(_) => Some(seconds(env, rv::ENV_DRIVER_GRACE, 60.0)?),
+            },
             connect_delay: match env.var(ENV_TEST_CONNECT_DELAY_MS) {
                 None => Duration::ZERO,
                 Some(v) => Duration::from_millis(v.trim().parse().map_err(|_| Error::Env {

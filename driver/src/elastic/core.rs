@@ -335,8 +335,8 @@ impl Core {
     ///
     /// # Errors
     /// Serialization failed (it cannot for this type; reported, not assumed).
-    pub fn save(&self) -> Result<Vec<u8>, serde_json::Error> {
-        serde_json::to_vec(self)
+    pub fn save(&self) -> Result<serde_json::Value, serde_json::Error> {
+        serde_json::to_value(self)
     }
 
     /// A core carrying on from `saved` (written by [`Core::save`]) with the parameters `cfg`
@@ -344,8 +344,8 @@ impl Core {
     ///
     /// # Errors
     /// `saved` is not a saved core.
-    pub fn restore(cfg: Config, saved: &[u8]) -> Result<Self, serde_json::Error> {
-        let mut core: Self = serde_json::from_slice(saved)?;
+    pub fn restore(cfg: Config, saved: serde_json::Value) -> Result<Self, serde_json::Error> {
+        let mut core: Self = serde_json::from_value(saved)?;
         core.cfg = cfg;
         core.index_slots();
         Ok(core)
@@ -362,8 +362,17 @@ impl Core {
         self.generation
     }
 
+    /// The host of a worker the job knows.
+    pub fn worker_host(&self, id: WorkerId) -> Option<&str> {
+        self.workers.get(&id).map(|w| w.host.as_str())
+    }
+
+    /// Whether `id` is a live worker (starting, ready or training).
+    pub fn is_live(&self, id: WorkerId) -> bool {
+        self.workers.get(&id).is_some_and(Worker::live)
+    }
+
     /// Live workers of the job.
-    #[cfg_attr(not(test), allow(dead_code))]
     pub fn live_workers(&self) -> Vec<WorkerId> {
         self.workers
             .iter()
@@ -1548,12 +1557,12 @@ mod tests {
             ),
         ];
         for cut in 0..=script.len() {
-            let mut original = Core::restore(c.clone(), &core.save().unwrap()).unwrap();
+            let mut original = Core::restore(c.clone(), core.save().unwrap()).unwrap();
             let mut ended = Vec::new();
             for (t, input) in &script[..cut] {
                 ended.push(original.handle(secs(*t), input.clone()));
             }
-            let mut restored = Core::restore(c.clone(), &original.save().unwrap()).unwrap();
+            let mut restored = Core::restore(c.clone(), original.save().unwrap()).unwrap();
             for (t, input) in &script[cut..] {
                 // Workers the original started after the cut register in both.
                 let input = match input {
@@ -1581,7 +1590,7 @@ mod tests {
                 "cut at {cut}"
             );
         }
-        assert!(Core::restore(c, b"{}").is_err());
+        assert!(Core::restore(c, serde_json::json!({})).is_err());
     }
 
     #[test]

@@ -8,8 +8,11 @@
 //! tells it from a slow one.
 
 use std::collections::HashMap;
+use std::io::Write as _;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use hvd_discovery::kubernetes::{self, PodSelector};
@@ -20,6 +23,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior, sleep_until};
 
+use super::control::{Control, StoreSpec};
 use super::core::{Action, Config, Core, ExitInfo, Input, WorkerId};
 use crate::hosts;
 use crate::job::{Ended, Exit, Handle, LaunchMode, Launcher, new_secret, stop_workers};
@@ -69,6 +73,10 @@ pub struct ElasticSpec {
     pub status_port: Option<u16>,
     /// A registered worker silent for longer is declared failed (`--heartbeat-timeout`).
     pub heartbeat_timeout: Duration,
+    /// The rendezvous port (`--rendezvous-port`; any free one without).
+    pub rendezvous_port: Option<u16>,
+    /// Where the job's state is kept so that another driver can take over (`--state-store`).
+    pub store: Option<StoreSpec>,
 }
 
 /// How the job ended: the code `horovodrun` exits with and what it prints.
@@ -129,6 +137,11 @@ struct Driver {
     heard: HashMap<WorkerId, Instant>,
     relays: Vec<tokio::task::JoinHandle<()>>,
     ending: Option<Ending>,
+    /// Workers a predecessor started that have not reconnected yet, and until when they may.
+    awaiting: HashMap<WorkerId, Instant>,
+    /// Workers adopted from a predecessor (not this driver's children): their output files'
+    /// tails stop when they are gone, and their end is learnt from their connection.
+    adopted: HashMap<WorkerId, Arc<AtomicBool>>,
 }
 
 impl Driver {
@@ -148,12 +161,79 @@ impl Driver {
         }
     }
 
+    /// Takes over a worker a predecessor started, now connected to this driver.
+    fn adopt(&mut self, reg: Registration) {
+        let id = reg.worker;
+        let host = self.core.worker_host(id).unwrap_or(&reg.host).to_string();
+        tracing::info!(worker = id, %host, pid = reg.pid, round = ?reg.resume, "adopted a worker of the previous driver");
+        let ended = Arc::new(AtomicBool::new(false));
+        if hosts::is_local(&host, &self.own_host) {
+            if let Ok(pid) = i32::try_from(reg.pid) {
+                // Started in a process group of its own, as every local worker is.
+                self.handles.insert(id, Handle::Group(pid));
+            }
+            if let Some(dir) = self.launcher.spool.clone() {
+                for name in ["stdout", "stderr"] {
+                    let path = crate::job::spool_file(&dir, id, name);
+                    if path.exists() {
+                        self.relays.push(crate::job::tail(
+                            id.to_string(),
+                            name,
+                            path,
+                            true,
+                            Arc::clone(&ended),
+                            None,
+                        ));
+                    }
+                }
+            }
+        }
+        self.adopted.insert(id, ended);
+        self.hosts_of.insert(id, host);
+        self.regs.insert(id, reg);
+        self.heard.insert(id, Instant::now());
+        self.feed(Input::Registered(id));
+    }
+
+    /// Workers of a predecessor that did not reconnect in time are counted as failed.
+    fn give_up_on_missing(&mut self) {
+        let now = Instant::now();
+        let mut late: Vec<WorkerId> = self
+            .awaiting
+            .iter()
+            .filter(|&(_, &until)| until <= now)
+            .map(|(&w, _)| w)
+            .collect();
+        late.sort_unstable();
+        for worker in late {
+            self.awaiting.remove(&worker);
+            self.feed(Input::Exited {
+                worker,
+                exit: ExitInfo {
+                    success: false,
+                    description: "did not reconnect to the driver that took over the job".into(),
+                },
+            });
+        }
+    }
+
     /// Handles one message of the rendezvous connections.
     fn wire(&mut self, w: Wire) {
         match w {
             Wire::Registered(reg) => {
                 let id = reg.worker;
-                if self.handles.contains_key(&id) {
+                if self.awaiting.remove(&id).is_some()
+                    || (reg.resume.is_some()
+                        && !self.handles.contains_key(&id)
+                        && self.core.is_live(id))
+                {
+                    self.adopt(reg);
+                } else if reg.resume.is_some() && self.handles.contains_key(&id) {
+                    // One of this driver's workers whose connection dropped and came back.
+                    tracing::info!(worker = id, "a worker reconnected");
+                    self.heard.insert(id, Instant::now());
+                    self.regs.insert(id, reg);
+                } else if self.handles.contains_key(&id) {
                     tracing::debug!(worker = id, host = %reg.host, addr = %reg.addr, pid = reg.pid, "worker connected");
                     self.regs.insert(id, reg);
                     self.heard.insert(id, Instant::now());
@@ -198,6 +278,24 @@ impl Driver {
                 // It can't answer pings any more; its exit (which follows) is what counts.
                 self.heard.remove(&worker);
                 tracing::debug!(worker, clean, "worker connection closed");
+                // An adopted worker is not this driver's child: its connection is its end.
+                if let Some(ended) = self.adopted.remove(&worker) {
+                    ended.store(true, Ordering::SeqCst);
+                    self.handles.remove(&worker);
+                    self.regs.remove(&worker);
+                    let description = if clean {
+                        "left after saying goodbye".to_string()
+                    } else {
+                        "closed its connection without saying goodbye".to_string()
+                    };
+                    self.feed(Input::Exited {
+                        worker,
+                        exit: ExitInfo {
+                            success: clean,
+                            description,
+                        },
+                    });
+                }
             }
         }
     }
@@ -283,6 +381,12 @@ impl Driver {
         }
         if let Some(i) = &self.spec.network_interface {
             env.push((rv::ENV_NETWORK_INTERFACE.into(), i.clone()));
+        }
+        if let Some(s) = &self.spec.store {
+            env.push((
+                rv::ENV_DRIVER_GRACE.into(),
+                s.grace.as_secs_f64().to_string(),
+            ));
         }
         env.extend(self.spec.extra_env.iter().cloned());
         env
@@ -455,9 +559,26 @@ async fn poll(source: Source, interval: Duration, tx: mpsc::Sender<Input>) {
 /// # Errors
 /// Failures of the driver itself (binding the rendezvous listener, installing signal handlers).
 pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
-    let secret = new_secret()?;
+    // With a state store: become the active driver first (a standby waits here), then serve
+    // the rendezvous on the port every driver of the job shares.
+    let (mut control, record) = match &spec.store {
+        Some(s) => {
+            let address = format!(
+                "{}:{}",
+                spec.rendezvous_host,
+                spec.rendezvous_port.unwrap_or(0)
+            );
+            let (c, r) = Control::elect(s, address).await?;
+            (Some(c), r)
+        }
+        None => (None, None),
+    };
+    let secret = match &spec.store {
+        Some(s) => s.secret.clone(),
+        None => new_secret()?,
+    };
     // Dual-stack, so that workers reach it in IPv6-only clusters too.
-    let listener = hvd_serve::bind_any(0, "rendezvous").await?;
+    let listener = hvd_serve::bind_any(spec.rendezvous_port.unwrap_or(0), "rendezvous").await?;
     let port = listener.local_addr()?.port();
     tracing::debug!(port, "rendezvous listening");
     let (wire_tx, mut wire_rx) = mpsc::channel::<Wire>(256);
@@ -466,8 +587,27 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     let poller = tokio::spawn(poll(spec.source.clone(), spec.interval, disc_tx));
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
-    let core = Core::new(spec.core.clone());
-    let (t0, epoch) = (Instant::now(), SystemTime::now());
+    let (core, t0, epoch) = match (&record, &control) {
+        (Some(r), Some(c)) => {
+            let core = Core::restore(spec.core.clone(), r.core.clone()).map_err(|e| {
+                anyhow::anyhow!("the job's record holds no core this driver reads: {e}")
+            })?;
+            let epoch = c.started();
+            let age = SystemTime::now().duration_since(epoch).unwrap_or_default();
+            let t0 = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
+            tracing::info!(
+                generation = core.generation(),
+                workers = core.live_workers().len(),
+                "taking over the job from the driver before"
+            );
+            (core, t0, epoch)
+        }
+        _ => (
+            Core::new(spec.core.clone()),
+            Instant::now(),
+            SystemTime::now(),
+        ),
+    };
     let (status_tx, status_rx) = tokio::sync::watch::channel(Published {
         snapshot: core.snapshot(Duration::ZERO),
         epoch,
@@ -483,13 +623,22 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         None => None,
     };
     let (exit_tx, mut exit_rx) = mpsc::channel::<Exit>(256);
-    let launcher = Launcher::new(
+    let mut launcher = Launcher::new(
         spec.command.clone(),
         spec.ssh_port,
         spec.ssh_identity.clone(),
         &spec.launch,
         exit_tx,
     )?;
+    if let Some(s) = &spec.store {
+        let name: String = s
+            .url
+            .prefix
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        launcher.spool = Some(std::env::temp_dir().join(format!("hvd-spool{name}")));
+    }
     let own_host = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();
@@ -507,7 +656,20 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         heard: HashMap::new(),
         relays: Vec::new(),
         ending: None,
+        awaiting: HashMap::new(),
+        adopted: HashMap::new(),
     };
+    if record.is_some() {
+        // Every live worker of the predecessor gets this long to reconnect (they redial every
+        // half second at most).
+        let until = Instant::now() + d.spec.heartbeat_timeout.max(Duration::from_secs(10));
+        for w in d.core.live_workers() {
+            if let Some(h) = d.core.worker_host(w) {
+                d.hosts_of.insert(w, h.to_string());
+            }
+            d.awaiting.insert(w, until);
+        }
+    }
     let mut interrupted = None;
     let mut pings = tokio::time::interval(rendezvous::ping_period(d.spec.heartbeat_timeout));
     pings.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -515,7 +677,25 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     while !d.core.finished() && interrupted.is_none() {
         let tick = d.core.next_deadline().map_or(d.t0 + far, |t| d.t0 + t);
         let silence = d.next_silence().unwrap_or(d.t0 + far);
+        let missing = d.awaiting.values().min().copied().unwrap_or(d.t0 + far);
+        let lost = async {
+            match control.as_mut() {
+                Some(c) => c.lost().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
+            why = lost => {
+                // Another driver may be acting now: this one does nothing more. Its workers
+                // are left running for the driver that adopts them.
+                tracing::error!(%why, "stepping down: this driver no longer leads the job");
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "horovodrun: stepping down ({why}); the workers are left to the driver that takes over"
+                );
+                std::process::exit(75);
+            }
+            () = sleep_until(missing) => d.give_up_on_missing(),
             Some(input) = disc_rx.recv() => d.feed(input),
             Some(w) = wire_rx.recv() => d.wire(w),
             Some(Exit { worker, end }) = exit_rx.recv() => {
@@ -541,6 +721,9 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             snapshot: d.core.snapshot(d.now()),
             epoch,
         });
+        if let Some(c) = &control {
+            c.publish(&d.core);
+        }
     }
     poller.abort();
     let targets: Vec<(u64, Handle)> = d.handles.drain().collect();
@@ -552,8 +735,14 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         s.abort();
     }
     d.regs.clear();
+    for ended in d.adopted.values() {
+        ended.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
     for r in d.relays.drain(..) {
         let _ = tokio::time::timeout(Duration::from_millis(500), r).await;
+    }
+    if let Some(c) = control {
+        c.finish().await;
     }
     Ok(match interrupted {
         Some(sig) => Ending {
