@@ -1,0 +1,379 @@
+//! A driver with no single point of failure, against a real etcd (Debian's `etcd-server`,
+//! installed on first use; each test starts its own on free ports): the store's flags checked
+//! before anything starts, an unreachable store named, a second driver refused while one is
+//! active, a standby adopting the workers of a driver killed in steady training (no committed
+//! step lost, training on while no driver is up), and workers whose driver never returns
+//! exiting after the grace.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
+
+#[path = "../../store/tests/support/etcd.rs"]
+mod etcd;
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use etcd::Etcd;
+use nix::sys::signal::Signal;
+use serde_json::Value;
+use support::{Job, Line, check_counter, example, running_after, scratch, signal};
+
+const SECRET: &str = "failover-test-secret";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The flags of a job on two local hosts of two slots with its state in `etcd` under
+/// `prefix`, its rendezvous on `port`.
+fn store_flags(etcd: &Etcd, prefix: &str, port: u16, extra: &[&str]) -> Vec<String> {
+    let mut f: Vec<String> = [
+        "-np",
+        "4",
+        "--min-np",
+        "2",
+        "--state-store",
+        &etcd.url(prefix),
+        "--state-store-ttl",
+        "2",
+        "--rendezvous-port",
+        &port.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    f.extend(extra.iter().map(|s| s.to_string()));
+    f
+}
+
+/// `horovodrun <flags> --host-discovery-script <dir>/discover.sh … elastic_counter <args>`.
+fn horovodrun(dir: &Path, flags: &[String], counter: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+    cmd.args(flags)
+        .args(["--host-discovery-script"])
+        .arg(dir.join("discover.sh"))
+        .args(["--discovery-interval", "0.2"])
+        .arg(example("elastic_counter"))
+        .args(counter)
+        .env("HVD_SECRET", SECRET);
+    cmd
+}
+
+/// The spool where a job under `prefix` keeps its local workers' output.
+fn spool(prefix: &str) -> PathBuf {
+    let name: String = format!("/{prefix}")
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    std::env::temp_dir().join(format!("hvd-spool{name}"))
+}
+
+/// Every counter line the job's local workers wrote, from their spool files.
+fn spooled_lines(prefix: &str) -> Vec<Line> {
+    let mut lines = Vec::new();
+    for e in std::fs::read_dir(spool(prefix)).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(worker) = name
+            .strip_prefix("worker.")
+            .and_then(|r| r.strip_suffix(".stdout"))
+            .and_then(|w| w.parse().ok())
+        else {
+            continue;
+        };
+        let text = std::fs::read_to_string(e.path()).unwrap();
+        for l in text.lines() {
+            if let Ok(v) = serde_json::from_str::<Value>(l) {
+                lines.push(Line {
+                    worker,
+                    v,
+                    at: Instant::now(),
+                });
+            }
+        }
+    }
+    lines
+}
+
+fn output(mut cmd: Command) -> (i32, String) {
+    let out = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_store_s_flags_are_checked_and_an_unreachable_store_is_named() {
+    let dir = scratch("store-flags");
+    std::fs::write(dir.join("hosts"), "127.0.0.1:2\n").unwrap();
+    let dead = format!("127.0.0.1:{}", free_port());
+    let port = free_port().to_string();
+    let run = |flags: &[&str], secret: bool| {
+        let flags: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
+        let mut cmd = horovodrun(&dir, &flags, &["--steps", "5"]);
+        if !secret {
+            cmd.env_remove("HVD_SECRET");
+        }
+        cmd.env_remove("HVD_STATE_STORE");
+        output(cmd)
+    };
+    let url = format!("etcd://{dead}/jobs/flags");
+    for (flags, secret, says) in [
+        (
+            vec![
+                "-np",
+                "2",
+                "--min-np",
+                "1",
+                "--state-store",
+                &url,
+                "--rendezvous-port",
+                &port,
+            ],
+            false,
+            "HVD_SECRET",
+        ),
+        (
+            vec!["-np", "2", "--min-np", "1", "--state-store", &url],
+            true,
+            "--rendezvous-port",
+        ),
+        (
+            vec!["-np", "2", "--min-np", "1", "--standby"],
+            true,
+            "--standby needs --state-store",
+        ),
+        (
+            vec![
+                "-np",
+                "2",
+                "--min-np",
+                "1",
+                "--state-store",
+                "http://x:1/p",
+                "--rendezvous-port",
+                &port,
+            ],
+            true,
+            "etcd://",
+        ),
+        (
+            vec![
+                "-np",
+                "2",
+                "--min-np",
+                "1",
+                "--state-store",
+                &url,
+                "--rendezvous-port",
+                &port,
+            ],
+            true,
+            &dead,
+        ),
+    ] {
+        let t = Instant::now();
+        let (code, err) = run(&flags, secret);
+        assert_ne!(code, 0, "{flags:?}: {err}");
+        assert!(err.contains(says), "{flags:?} should say {says:?}: {err}");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{flags:?} took {:?}",
+            t.elapsed()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// While a driver is active, another one started on the same store is refused with the
+/// active one named; the first finishes its job, and the finished job leaves no record.
+#[test]
+fn a_second_driver_is_refused_while_one_is_active() {
+    let e = Etcd::start();
+    let prefix = format!("jobs/refused-{}", std::process::id());
+    let dir = scratch("store-refused");
+    std::fs::write(dir.join("hosts"), "127.0.0.2:2\n127.0.0.3:2\n").unwrap();
+    let flags = store_flags(&e, &prefix, free_port(), &[]);
+    let counter = ["--steps", "120", "--commit-every", "5", "--step-ms", "20"];
+    let mut job = Job::spawn(dir.clone(), horovodrun(&dir, &flags, &counter));
+    job.wait_for("training at size 4", |l| {
+        l.v["event"] == "step" && l.v["size"] == 4
+    });
+    let second = scratch("store-refused-2");
+    std::fs::copy(dir.join("discover.sh"), second.join("discover.sh")).unwrap();
+    std::fs::write(second.join("hosts"), "127.0.0.2:2\n").unwrap();
+    let other_port = free_port();
+    let other = store_flags(&e, &prefix, other_port, &[]);
+    let (code, err) = output(horovodrun(&second, &other, &counter));
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.contains("another driver") && err.contains("--standby"),
+        "{err}"
+    );
+    let (code, err, _) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    let lines = spooled_lines(&prefix);
+    assert_eq!(check_counter(&lines, 120), 4);
+    let _ = std::fs::remove_dir_all(spool(&prefix));
+    let _ = std::fs::remove_dir_all(&second);
+    // The record is gone: a new driver on the prefix starts a new job (it is refused only
+    // for its flags, not for a record or a leader left behind).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let left = rt.block_on(async {
+        let url: hvd_store::StoreUrl = e.url(&prefix).parse().unwrap();
+        let s = hvd_store::Store::connect(&url, Duration::from_secs(5))
+            .await
+            .unwrap();
+        (s.load().await.unwrap(), s.leader().await.unwrap())
+    });
+    assert_eq!(
+        left,
+        (None, None),
+        "the finished job left its record or leader behind"
+    );
+}
+
+/// The active driver is SIGKILLed in steady training: the standby takes over within the
+/// lease's TTL and a second, every worker is adopted, training never stops meanwhile, and the
+/// job finishes with every committed step applied once.
+#[test]
+fn a_standby_adopts_the_workers_of_a_killed_driver() {
+    let e = Etcd::start();
+    let prefix = format!("jobs/standby-{}", std::process::id());
+    let dir = scratch("store-standby");
+    std::fs::write(dir.join("hosts"), "127.0.0.2:2\n127.0.0.3:2\n").unwrap();
+    let port = free_port();
+    let steps = 400;
+    let counter = ["--steps", "400", "--commit-every", "5", "--step-ms", "20"];
+    let mut active = Job::spawn(
+        dir.clone(),
+        horovodrun(&dir, &store_flags(&e, &prefix, port, &[]), &counter),
+    );
+    let before = active.wait_for("training at size 4", |l| {
+        l.v["event"] == "step" && l.v["size"] == 4 && l.v["step"].as_u64() >= Some(40)
+    });
+    let standby_dir = scratch("store-standby-2");
+    let mut standby = Job::spawn(
+        standby_dir,
+        horovodrun(
+            &dir,
+            &store_flags(&e, &prefix, port, &["--standby"]),
+            &counter,
+        ),
+    );
+    standby.wait_stderr("standing by");
+    active.take_available();
+    let at_kill = active
+        .seen
+        .iter()
+        .filter_map(|l| l.v["step"].as_u64())
+        .max()
+        .unwrap_or(0);
+    let killed = Instant::now();
+    signal(active.child.id() as i32, Signal::SIGKILL);
+    let took_over = standby.wait_stderr("taking over the job");
+    let mut adopted = Vec::new();
+    while adopted.len() < 4 {
+        let err = standby.err_tail();
+        adopted = err
+            .lines()
+            .filter(|l| l.contains("adopted a worker"))
+            .map(str::to_string)
+            .collect();
+        assert!(
+            killed.elapsed() < Duration::from_secs(20),
+            "not every worker was adopted: {err}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let failover = killed.elapsed();
+    println!(
+        "failover: every worker adopted {failover:?} after the SIGKILL (ttl 2 s); {took_over}"
+    );
+    assert!(failover <= Duration::from_secs(4), "{failover:?}");
+    // The first step the standby relays came after the steps run while no driver was up: at
+    // 20 ms a step, about one per 20 ms of the failover (half of that is allowed for a busy
+    // machine).
+    let first = standby.wait_for("a step relayed by the standby", |l| l.v["event"] == "step");
+    let after = first.v["step"].as_u64().unwrap();
+    let nominal = failover.as_millis() as u64 / 20;
+    println!(
+        "steps at the kill: {at_kill}; first relayed by the standby: {after} ({nominal} at full speed)"
+    );
+    assert!(
+        after >= at_kill + nominal / 2,
+        "training paused: {at_kill} -> {after}"
+    );
+    assert!(before.v["step"].as_u64() <= Some(at_kill));
+    let (code, err, _) = standby.finish();
+    assert_eq!(code, 0, "{err}");
+    let lines = spooled_lines(&prefix);
+    assert_eq!(check_counter(&lines, steps), 4);
+    assert!(
+        !lines.iter().any(|l| l.v["event"] == "reset"),
+        "the failover reset the workers"
+    );
+    drop(active);
+    let _ = std::fs::remove_dir_all(spool(&prefix));
+}
+
+/// With no driver to take over, the workers of a killed driver train on for --driver-grace,
+/// then exit, saying why; nothing is left running.
+#[test]
+fn workers_whose_driver_never_returns_exit_after_the_grace() {
+    let e = Etcd::start();
+    let prefix = format!("jobs/grace-{}", std::process::id());
+    let dir = scratch("store-grace");
+    std::fs::write(dir.join("hosts"), "127.0.0.2:2\n").unwrap();
+    let flags = store_flags(&e, &prefix, free_port(), &["--driver-grace", "2"]);
+    let flags: Vec<String> = flags
+        .into_iter()
+        .map(|f| if f == "4" { "2".into() } else { f })
+        .collect();
+    let mut job = Job::spawn(
+        dir.clone(),
+        horovodrun(&dir, &flags, &["--steps", "100000", "--step-ms", "20"]),
+    );
+    job.wait_for("training", |l| l.v["event"] == "step" && l.v["size"] == 2);
+    let workers: Vec<i32> = job.workers().into_iter().map(|(pid, _, _)| pid).collect();
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    let killed = Instant::now();
+    signal(job.child.id() as i32, Signal::SIGKILL);
+    // Still training a second later, then gone once the grace has passed.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        running_after(&workers, Duration::ZERO).len(),
+        2,
+        "they did not wait"
+    );
+    let left = running_after(&workers, Duration::from_secs(10));
+    let gone = killed.elapsed();
+    assert!(left.is_empty(), "still running after {gone:?}: {left:?}");
+    println!("workers exited {gone:?} after their driver (grace 2 s)");
+    assert!(gone >= Duration::from_secs(2), "{gone:?}");
+    let said: String = (0..2)
+        .map(|w| {
+            std::fs::read_to_string(spool(&prefix).join(format!("worker.{w}.stderr")))
+                .unwrap_or_default()
+        })
+        .collect();
+    assert!(
+        said.contains("found no driver within --driver-grace"),
+        "{said}"
+    );
+    drop(job);
+    let _ = std::fs::remove_dir_all(spool(&prefix));
+}
