@@ -377,3 +377,44 @@ fn workers_whose_driver_never_returns_exit_after_the_grace() {
     drop(job);
     let _ = std::fs::remove_dir_all(spool(&prefix));
 }
+
+/// etcd goes away mid-job: the job trains on while the driver holds still (it cannot know
+/// whether a standby took over), and when etcd returns the driver carries on, writes its
+/// record again and finishes the job.
+#[test]
+fn losing_etcd_mid_job_holds_the_driver_still_and_the_job_trains_on() {
+    let mut e = Etcd::start();
+    let prefix = format!("jobs/outage-{}", std::process::id());
+    let dir = scratch("store-outage");
+    std::fs::write(dir.join("hosts"), "127.0.0.2:2\n127.0.0.3:2\n").unwrap();
+    let counter = ["--steps", "500", "--commit-every", "5", "--step-ms", "20"];
+    let mut job = Job::spawn(
+        dir.clone(),
+        horovodrun(&dir, &store_flags(&e, &prefix, free_port(), &[]), &counter),
+    );
+    job.wait_for("training at size 4", |l| {
+        l.v["event"] == "step" && l.v["size"] == 4
+    });
+    e.kill();
+    job.wait_stderr("holding still");
+    job.take_available();
+    let held = job
+        .seen
+        .iter()
+        .filter_map(|l| l.v["step"].as_u64())
+        .max()
+        .unwrap_or(0);
+    job.wait_for("steps while the driver holds still", |l| {
+        l.v["step"].as_u64() >= Some(held + 25)
+    });
+    e.resume();
+    job.wait_stderr("answers again");
+    let (code, err, _) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("written again") || err.contains("answers again"),
+        "{err}"
+    );
+    assert_eq!(check_counter(&spooled_lines(&prefix), 500), 4);
+    let _ = std::fs::remove_dir_all(spool(&prefix));
+}

@@ -150,35 +150,59 @@ pub enum Campaign {
     Held(Leader),
 }
 
+/// How sure the active driver is of its lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseState {
+    /// Renewed within its time to live.
+    Held,
+    /// Not renewed for a whole time to live (etcd unreachable): it may have lapsed, and
+    /// another driver may be acting. The driver holds still until etcd answers again.
+    Unsure(String),
+    /// etcd says it expired: another driver may be acting. The driver must step down.
+    Lost(String),
+}
+
 /// The active driver's hold on the leadership: its lease is renewed in the background, and
-/// [`Leadership::lost`] reports when that stops working.
+/// [`Leadership::state`] and [`Leadership::changed`] report how that goes.
 #[derive(Debug)]
 pub struct Leadership {
     lease: i64,
     /// The revision that created this driver's leader key: writes are conditional on it.
     created: i64,
-    lost: watch::Receiver<Option<String>>,
+    state: watch::Receiver<LeaseState>,
     keeper: tokio::task::JoinHandle<()>,
 }
 
 impl Leadership {
-    /// Resolves once the lease can no longer be renewed (or expired), with why; pending
-    /// forever while it holds.
-    pub async fn lost(&self) -> String {
-        let mut rx = self.lost.clone();
+    /// Where the lease stands now.
+    pub fn state(&self) -> LeaseState {
+        self.state.borrow().clone()
+    }
+
+    /// Resolves with the lease's state once it differs from `seen`.
+    pub async fn changed(&self, seen: &LeaseState) -> LeaseState {
+        let mut rx = self.state.clone();
         loop {
-            if let Some(why) = rx.borrow_and_update().clone() {
-                return why;
+            let now = rx.borrow_and_update().clone();
+            if &now != seen {
+                return now;
             }
             if rx.changed().await.is_err() {
-                return "the lease keeper stopped".into();
+                return LeaseState::Lost("the lease keeper stopped".into());
             }
         }
     }
 
-    /// Whether the lease is known to be lost.
-    pub fn is_lost(&self) -> bool {
-        self.lost.borrow().is_some()
+    /// Resolves once etcd says the lease expired, with why; pending while it holds or
+    /// etcd cannot be reached.
+    pub async fn lost(&self) -> String {
+        let mut seen = self.state();
+        loop {
+            match self.changed(&seen).await {
+                LeaseState::Lost(why) => return why,
+                other => seen = other,
+            }
+        }
     }
 }
 
@@ -312,13 +336,13 @@ impl Store {
             };
         }
         let created = resp.header().map_or(0, |h| h.revision());
-        let (tx, rx) = watch::channel(None);
+        let (tx, rx) = watch::channel(LeaseState::Held);
         let keeper = tokio::spawn(keep_alive(client, lease, ttl, tx));
         tracing::info!(store = %self.url, id = %me.id, lease, "this driver is the active one");
         Ok(Campaign::Won(Leadership {
             lease,
             created,
-            lost: rx,
+            state: rx,
             keeper,
         }))
     }
@@ -429,6 +453,28 @@ impl Store {
         Ok(())
     }
 
+    /// Revokes the active driver's lease, whoever holds it: a standby takes over at once, and
+    /// the evicted driver finds itself fenced (to move the driver off a node being drained).
+    /// Returns whether there was one.
+    ///
+    /// # Errors
+    /// [`StoreError::Request`].
+    pub async fn evict_leader(&self) -> Result<bool> {
+        let mut client = self.client.clone();
+        let got = client
+            .get(self.key("leader"), None)
+            .await
+            .map_err(self.request("reading the leader"))?;
+        let Some(lease) = got.kvs().first().map(|kv| kv.lease()).filter(|&l| l != 0) else {
+            return Ok(false);
+        };
+        client
+            .lease_revoke(lease)
+            .await
+            .map_err(self.request("revoking the active driver's lease"))?;
+        Ok(true)
+    }
+
     /// Removes the job's keys (a job that finished leaves nothing behind).
     ///
     /// # Errors
@@ -465,24 +511,30 @@ fn decode<T: serde::de::DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T> 
     })
 }
 
-/// Renews `lease` every third of `ttl`; reports on `lost` once a renewal says it expired, or
-/// none has succeeded for `ttl` (the lease has lapsed by then, or is about to).
+/// Renews `lease` every third of `ttl`. Reports [`LeaseState::Unsure`] once no renewal has
+/// succeeded for `ttl` (and goes on trying), [`LeaseState::Held`] again when one succeeds (etcd
+/// extends leases when it restarts, so a lease outlives an outage of etcd itself), and
+/// [`LeaseState::Lost`] when etcd says the lease expired, which ends it.
 async fn keep_alive(
     mut client: Client,
     lease: i64,
     ttl: Duration,
-    lost: watch::Sender<Option<String>>,
+    state: watch::Sender<LeaseState>,
 ) {
     let every = (ttl / 3).max(Duration::from_millis(100));
     let mut last_ok = tokio::time::Instant::now();
     let mut stream = None;
     loop {
-        if last_ok.elapsed() >= ttl {
-            let _ = lost.send(Some(format!("no renewal succeeded for {ttl:?}")));
-            return;
+        if last_ok.elapsed() >= ttl && *state.borrow() == LeaseState::Held {
+            let why = format!("no renewal of the lease succeeded for {ttl:?}");
+            tracing::warn!(%why, "the state store cannot be reached; holding still");
+            let _ = state.send(LeaseState::Unsure(why));
         }
         if stream.is_none() {
-            stream = client.lease_keep_alive(lease).await.ok();
+            stream = tokio::time::timeout(every, client.lease_keep_alive(lease))
+                .await
+                .ok()
+                .and_then(Result::ok);
         }
         if let Some((keeper, responses)) = stream.as_mut() {
             let renewed = async {
@@ -490,9 +542,15 @@ async fn keep_alive(
                 responses.message().await
             };
             match tokio::time::timeout(every, renewed).await {
-                Ok(Ok(Some(r))) if r.ttl() > 0 => last_ok = tokio::time::Instant::now(),
+                Ok(Ok(Some(r))) if r.ttl() > 0 => {
+                    last_ok = tokio::time::Instant::now();
+                    if *state.borrow() != LeaseState::Held {
+                        tracing::info!("the lease is renewed again");
+                        let _ = state.send(LeaseState::Held);
+                    }
+                }
                 Ok(Ok(Some(_))) => {
-                    let _ = lost.send(Some("etcd says the lease expired".into()));
+                    let _ = state.send(LeaseState::Lost("etcd says the lease expired".into()));
                     return;
                 }
                 // The stream broke: open another on the next turn.

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use hvd_store::{Leader, Leadership, Store, StoreError, StoreUrl};
+use hvd_store::{Leader, Leadership, LeaseState, Store, StoreError, StoreUrl};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 
@@ -157,6 +157,30 @@ impl Control {
                 });
             }
             Err(e) => tracing::error!(error = %e, "cannot encode the job's record"),
+        }
+    }
+
+    /// Whether the lease went unrenewed for its whole time to live (etcd unreachable): this
+    /// driver must hold still, since another may be acting.
+    pub fn unsure(&self) -> bool {
+        matches!(self.leadership.state(), LeaseState::Unsure(_))
+    }
+
+    /// Waits while the lease is unsure; returns `Ok` once it is renewed again, or why this
+    /// driver must step down.
+    pub async fn settled(&mut self) -> Result<(), String> {
+        let leadership = Arc::clone(&self.leadership);
+        let mut seen = leadership.state();
+        loop {
+            match seen {
+                LeaseState::Held => return Ok(()),
+                LeaseState::Lost(why) => return Err(why),
+                LeaseState::Unsure(_) => {}
+            }
+            tokio::select! {
+                next = leadership.changed(&seen) => seen = next,
+                Some(why) = self.fenced.recv() => return Err(why),
+            }
         }
     }
 

@@ -517,6 +517,17 @@ impl Driver {
     }
 }
 
+/// Another driver may be acting now: this one does nothing more and exits at once, leaving
+/// its workers running for the driver that adopts them.
+fn step_down(why: &str) -> ! {
+    tracing::error!(%why, "stepping down: this driver no longer leads the job");
+    let _ = writeln!(
+        std::io::stderr(),
+        "horovodrun: stepping down ({why}); the workers are left to the driver that takes over"
+    );
+    std::process::exit(75);
+}
+
 /// Forwards every host set (or failure) of a pod watch until the job ends.
 async fn watch_pods(sel: PodSelector, tx: mpsc::Sender<Input>) {
     let (ktx, mut krx) = mpsc::channel(4);
@@ -675,6 +686,22 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     pings.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let far = Duration::from_secs(3600 * 24 * 365);
     while !d.core.finished() && interrupted.is_none() {
+        if let Some(c) = control.as_mut().filter(|c| c.unsure()) {
+            // Another driver may be acting: decide nothing until etcd answers. The workers
+            // train on; what they say waits in the channels.
+            tracing::warn!(
+                "the state store cannot be reached: holding still, the workers train on"
+            );
+            tokio::select! {
+                settled = c.settled() => match settled {
+                    Ok(()) => tracing::info!("the state store answers again; carrying on"),
+                    Err(why) => step_down(&why),
+                },
+                _ = sigint.recv() => interrupted = Some(Signal::SIGINT),
+                _ = sigterm.recv() => interrupted = Some(Signal::SIGTERM),
+            }
+            continue;
+        }
         let tick = d.core.next_deadline().map_or(d.t0 + far, |t| d.t0 + t);
         let silence = d.next_silence().unwrap_or(d.t0 + far);
         let missing = d.awaiting.values().min().copied().unwrap_or(d.t0 + far);
@@ -685,16 +712,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             }
         };
         tokio::select! {
-            why = lost => {
-                // Another driver may be acting now: this one does nothing more. Its workers
-                // are left running for the driver that adopts them.
-                tracing::error!(%why, "stepping down: this driver no longer leads the job");
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "horovodrun: stepping down ({why}); the workers are left to the driver that takes over"
-                );
-                std::process::exit(75);
-            }
+            why = lost => step_down(&why),
             () = sleep_until(missing) => d.give_up_on_missing(),
             Some(input) = disc_rx.recv() => d.feed(input),
             Some(w) = wire_rx.recv() => d.wire(w),
