@@ -450,9 +450,9 @@ fn positive(v: f64, name: &str) -> anyhow::Result<Duration> {
 
 fn init_tracing(verbose: bool) {
     let default = if verbose {
-        "horovodrun=debug,info"
+        "horovodrun=debug,hvd_store=debug,info"
     } else {
-        "horovodrun=info,warn"
+        "horovodrun=info,hvd_store=info,warn"
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));

@@ -30,25 +30,27 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// The flags of a job on two local hosts of two slots with its state in `etcd` under
-/// `prefix`, its rendezvous on `port`.
+/// The flags of a job (of 4 slots, 2 at least, unless `extra` sets -np) with its state in
+/// `etcd` under `prefix`, its rendezvous on `port`.
 fn store_flags(etcd: &Etcd, prefix: &str, port: u16, extra: &[&str]) -> Vec<String> {
-    let mut f: Vec<String> = [
-        "-np",
-        "4",
-        "--min-np",
-        "2",
-        "--state-store",
-        &etcd.url(prefix),
-        "--state-store-ttl",
-        "2",
-        "--rendezvous-port",
-        &port.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    f.extend(extra.iter().map(|s| s.to_string()));
+    let sizes: &[&str] = if extra.contains(&"-np") {
+        &[]
+    } else {
+        &["-np", "4", "--min-np", "2"]
+    };
+    let mut f: Vec<String> = extra.iter().chain(sizes).map(|s| s.to_string()).collect();
+    f.extend(
+        [
+            "--state-store",
+            &etcd.url(prefix),
+            "--state-store-ttl",
+            "2",
+            "--rendezvous-port",
+            &port.to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
     f
 }
 
@@ -338,11 +340,12 @@ fn workers_whose_driver_never_returns_exit_after_the_grace() {
     let prefix = format!("jobs/grace-{}", std::process::id());
     let dir = scratch("store-grace");
     std::fs::write(dir.join("hosts"), "127.0.0.2:2\n").unwrap();
-    let flags = store_flags(&e, &prefix, free_port(), &["--driver-grace", "2"]);
-    let flags: Vec<String> = flags
-        .into_iter()
-        .map(|f| if f == "4" { "2".into() } else { f })
-        .collect();
+    let flags = store_flags(
+        &e,
+        &prefix,
+        free_port(),
+        &["-np", "2", "--min-np", "1", "--driver-grace", "2"],
+    );
     let mut job = Job::spawn(
         dir.clone(),
         horovodrun(&dir, &flags, &["--steps", "100000", "--step-ms", "20"]),
@@ -416,5 +419,101 @@ fn losing_etcd_mid_job_holds_the_driver_still_and_the_job_trains_on() {
         "{err}"
     );
     assert_eq!(check_counter(&spooled_lines(&prefix), 500), 4);
+    let _ = std::fs::remove_dir_all(spool(&prefix));
+}
+
+/// Starts an active driver and a standby for one job; returns both, the job's prefix and its
+/// scratch directory (whose `hosts` the discovery prints).
+fn active_and_standby(
+    e: &Etcd,
+    name: &str,
+    hosts: &[&str],
+    counter: &[&str],
+    extra: &[&str],
+) -> (Job, Job, String, PathBuf) {
+    let prefix = format!("jobs/{name}-{}", std::process::id());
+    let dir = scratch(name);
+    std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n").unwrap();
+    let port = free_port();
+    let active = Job::spawn(
+        dir.clone(),
+        horovodrun(&dir, &store_flags(e, &prefix, port, extra), counter),
+    );
+    active.wait_stderr("this driver is the active one");
+    let mut flags = extra.to_vec();
+    flags.push("--standby");
+    let standby = Job::spawn(
+        scratch(&format!("{name}-standby")),
+        horovodrun(&dir, &store_flags(e, &prefix, port, &flags), counter),
+    );
+    standby.wait_stderr("standing by");
+    (active, standby, prefix, dir)
+}
+
+/// The driver dies in the middle of a recovery (a worker was just killed): the standby takes
+/// over, finds the dead worker gone, and the job finishes at the smaller size with every
+/// committed step applied once.
+#[test]
+fn a_driver_killed_during_a_recovery_is_replaced_and_the_recovery_completes() {
+    let e = Etcd::start();
+    let counter = ["--steps", "300", "--commit-every", "5", "--step-ms", "20"];
+    let (mut active, standby, prefix, _dir) = active_and_standby(
+        &e,
+        "store-recovery",
+        &["127.0.0.2:2", "127.0.0.3:2"],
+        &counter,
+        &["--heartbeat-timeout", "3"],
+    );
+    active.wait_for("training at size 4", |l| {
+        l.v["event"] == "step" && l.v["size"] == 4 && l.v["step"].as_u64() >= Some(20)
+    });
+    let victim = active.pids_on("127.0.0.3")[0];
+    signal(victim, Signal::SIGKILL);
+    signal(active.child.id() as i32, Signal::SIGKILL);
+    let (code, err, _) = standby.finish();
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("taking over the job"), "{err}");
+    let lines = spooled_lines(&prefix);
+    let size = check_counter(&lines, 300);
+    assert!(size == 2 || size == 3, "finished at size {size}");
+    drop(active);
+    let _ = std::fs::remove_dir_all(spool(&prefix));
+}
+
+/// The driver dies right after discovery found a new host: the standby takes over and the
+/// job grows to it and finishes with every committed step applied once.
+#[test]
+fn a_driver_killed_during_a_scale_up_is_replaced_and_the_job_grows() {
+    let e = Etcd::start();
+    let counter = ["--steps", "400", "--commit-every", "5", "--step-ms", "20"];
+    let (mut active, standby, prefix, _dir) = active_and_standby(
+        &e,
+        "store-grow",
+        &["127.0.0.2:2"],
+        &counter,
+        &[
+            "-np",
+            "2",
+            "--min-np",
+            "2",
+            "--max-np",
+            "4",
+            "--heartbeat-timeout",
+            "3",
+        ],
+    );
+    active.wait_for("training at size 2", |l| {
+        l.v["event"] == "step" && l.v["size"] == 2
+    });
+    active.set_hosts(&["127.0.0.2:2", "127.0.0.3:2"]);
+    active.wait_stderr("worker started");
+    std::thread::sleep(Duration::from_millis(300));
+    signal(active.child.id() as i32, Signal::SIGKILL);
+    standby.wait_stderr("taking over the job");
+    let (code, err, _) = standby.finish();
+    assert_eq!(code, 0, "{err}");
+    let lines = spooled_lines(&prefix);
+    assert_eq!(check_counter(&lines, 400), 4, "{err}");
+    drop(active);
     let _ = std::fs::remove_dir_all(spool(&prefix));
 }

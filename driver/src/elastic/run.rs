@@ -671,9 +671,9 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         adopted: HashMap::new(),
     };
     if record.is_some() {
-        // Every live worker of the predecessor gets this long to reconnect (they redial every
-        // half second at most).
-        let until = Instant::now() + d.spec.heartbeat_timeout.max(Duration::from_secs(10));
+        // Every live worker of the predecessor gets the heartbeat timeout to reconnect (they
+        // redial every half second at most); one that stays away is counted as failed.
+        let until = Instant::now() + d.spec.heartbeat_timeout;
         for w in d.core.live_workers() {
             if let Some(h) = d.core.worker_host(w) {
                 d.hosts_of.insert(w, h.to_string());
