@@ -16,9 +16,16 @@
 //! - frozen: 4 workers on 2 hosts under `--heartbeat-timeout T`; SIGSTOP one worker → the
 //!   first step the survivors complete at size 2 (the frozen worker's host is failed as a
 //!   whole). The target is T + 1 s.
+//! - failover: 4 workers on 2 hosts with `--state-store` and a `--standby` driver; SIGKILL of
+//!   the active driver → every worker adopted by the standby (the target is the lease's TTL
+//!   + 1 s), and the longest gap between two steps meanwhile (the training pause);
+//! - store: the rebuild pause at `--store-size` workers with the state store on, next to the
+//!   same job without it, in alternating runs.
 //!
-//! Every figure is the median over `--runs` jobs; the counter steps every 10 ms. `--figures`
-//! picks some of them (`recovery,scale-up,rebuild,frozen`). `--program` runs another counter
+//! The last two start their own etcd (Debian's `etcd-server`, installed when missing) on free
+//! loopback ports. Every figure is the median over `--runs` jobs; the counter steps every
+//! 10 ms. `--figures` picks some of them (`recovery,scale-up,rebuild,frozen,failover,store`;
+//! the default leaves out the two that need etcd). `--program` runs another counter
 //! that prints the same lines and takes the same flags, such as the PyTorch one:
 //! `--program "python python/tests/elastic_train.py --state-model resnet18"`.
 
@@ -32,6 +39,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use serde_json::Value;
+
+#[path = "../store/tests/support/etcd.rs"]
+#[allow(clippy::expect_used, dead_code)] // the bench's etcd either starts or stops the bench
+mod etcd;
+
+/// The job secret of the bench's jobs (a job with a state store needs one given).
+const SECRET: &str = "elastic-bench";
+/// The lease TTL of the bench's jobs with a state store, in seconds.
+const TTL: u64 = 2;
 
 #[derive(Parser)]
 struct Args {
@@ -59,6 +75,9 @@ struct Args {
     /// it gets `--steps`, `--commit-every` and `--step-ms` after its own arguments.
     #[arg(long)]
     program: Option<String>,
+    /// World size of the store figure (the rebuild pause with the state store on and off).
+    #[arg(long, default_value_t = 16)]
+    store_size: usize,
 }
 
 /// One figure of the bench.
@@ -68,6 +87,20 @@ enum Figure {
     ScaleUp,
     Rebuild,
     Frozen,
+    Failover,
+    Store,
+}
+
+/// A job's state store: its etcd URL and the fixed rendezvous port a standby reuses.
+struct StoreOpts {
+    url: String,
+    port: u16,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// A counter line, stamped when it arrived.
@@ -81,6 +114,17 @@ struct Job {
     dir: PathBuf,
     rx: mpsc::Receiver<Line>,
     seen: Vec<Line>,
+    /// `horovodrun`'s arguments, for a standby.
+    args: Vec<String>,
+    /// The standby driver, once started.
+    standby: Option<Standby>,
+}
+
+/// A second `horovodrun` waiting with `--standby`; its log lines, stamped.
+struct Standby {
+    child: Child,
+    rx: mpsc::Receiver<(Instant, String)>,
+    log: Vec<(Instant, String)>,
 }
 
 fn bin_dir() -> anyhow::Result<PathBuf> {
@@ -107,41 +151,60 @@ impl Job {
         np: usize,
         max_np: usize,
         b: &Args,
+        store: Option<&StoreOpts>,
     ) -> anyhow::Result<Self> {
         let bins = bin_dir()?;
         let dir = std::env::temp_dir().join(format!("hvd-bench-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n")?;
         let script = format!("cat {}", dir.join("hosts").display());
-        let mut child = Command::new(bins.join("horovodrun"))
-            .args([
-                "-np",
-                &np.to_string(),
-                "--min-np",
-                "1",
-                "--max-np",
-                &max_np.to_string(),
-            ])
-            .args([
-                "--host-discovery-script",
-                &script,
-                "--discovery-interval",
-                &b.interval.to_string(),
-                "--heartbeat-timeout",
-                &b.heartbeat_timeout.to_string(),
-            ])
-            .args(match &b.program {
-                Some(p) => p.split_whitespace().map(String::from).collect::<Vec<_>>(),
-                None => vec![bins.join("examples/elastic_counter").display().to_string()],
-            })
-            .args([
+        let mut args: Vec<String> = vec![
+            "-np".into(),
+            np.to_string(),
+            "--min-np".into(),
+            "1".into(),
+            "--max-np".into(),
+            max_np.to_string(),
+            "--host-discovery-script".into(),
+            script,
+            "--discovery-interval".into(),
+            b.interval.to_string(),
+            "--heartbeat-timeout".into(),
+            b.heartbeat_timeout.to_string(),
+        ];
+        if let Some(s) = store {
+            args.extend(
+                [
+                    "--state-store",
+                    &s.url,
+                    "--state-store-ttl",
+                    &TTL.to_string(),
+                    "--rendezvous-port",
+                    &s.port.to_string(),
+                    "--driver-grace",
+                    "5",
+                ]
+                .map(String::from),
+            );
+        }
+        match &b.program {
+            Some(p) => args.extend(p.split_whitespace().map(String::from)),
+            None => args.push(bins.join("examples/elastic_counter").display().to_string()),
+        }
+        args.extend(
+            [
                 "--steps",
                 "100000",
                 "--commit-every",
                 "5",
                 "--step-ms",
                 "10",
-            ])
+            ]
+            .map(String::from),
+        );
+        let mut child = Command::new(bins.join("horovodrun"))
+            .args(&args)
+            .env("HVD_SECRET", SECRET)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -166,7 +229,62 @@ impl Job {
             dir,
             rx,
             seen: Vec::new(),
+            args,
+            standby: None,
         })
+    }
+
+    /// Starts a standby driver for this job (same arguments, `--standby`) and waits until it
+    /// stands by.
+    fn start_standby(&mut self) -> anyhow::Result<()> {
+        let mut child = Command::new(bin_dir()?.join("horovodrun"))
+            .arg("--standby")
+            .args(&self.args)
+            .env("HVD_SECRET", SECRET)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting the standby horovodrun")?;
+        let err = child.stderr.take().context("stderr")?;
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                if tx.send((Instant::now(), l)).is_err() {
+                    break;
+                }
+            }
+        });
+        self.standby = Some(Standby {
+            child,
+            rx,
+            log: Vec::new(),
+        });
+        self.standby_line("standing by", 1)?;
+        Ok(())
+    }
+
+    /// Waits until the standby logged `n` lines containing `what`; returns when the last came.
+    fn standby_line(&mut self, what: &str, n: usize) -> anyhow::Result<Instant> {
+        let s = self.standby.as_mut().context("no standby")?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let hits: Vec<Instant> = s
+                .log
+                .iter()
+                .filter(|(_, l)| l.contains(what))
+                .map(|(at, _)| *at)
+                .collect();
+            if hits.len() >= n {
+                return Ok(hits[n - 1]);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let l = s
+                .rx
+                .recv_timeout(left)
+                .with_context(|| format!("the standby did not log {n} × {what:?} within 60 s"))?;
+            s.log.push(l);
+        }
     }
 
     /// Waits for a step line at `size` arriving after `after`; returns it.
@@ -231,10 +349,33 @@ impl Job {
 
 impl Drop for Job {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // SIGTERM first: a driver with a state store leaves its workers behind on SIGKILL.
+        stop(&mut self.child);
+        if let Some(mut s) = self.standby.take() {
+            stop(&mut s.child);
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// SIGTERM, a few seconds to stop its workers, then SIGKILL.
+fn stop(c: &mut Child) {
+    if let Ok(Some(_)) = c.try_wait() {
+        return;
+    }
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(c.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = c.try_wait() {
+            return;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    let _ = c.kill();
+    let _ = c.wait();
 }
 
 fn hosts(first: u8, n: usize, slots: usize) -> Vec<String> {
@@ -256,7 +397,7 @@ fn fmt(v: &[f64]) -> String {
 }
 
 fn recovery(run: usize, b: &Args) -> anyhow::Result<f64> {
-    let mut job = Job::start(&format!("rec{run}"), &hosts(2, 2, 2), 4, 4, b)?;
+    let mut job = Job::start(&format!("rec{run}"), &hosts(2, 2, 2), 4, 4, b, None)?;
     job.step_at(4, Instant::now())?;
     thread::sleep(Duration::from_millis(300));
     let pid = job
@@ -273,7 +414,7 @@ fn recovery(run: usize, b: &Args) -> anyhow::Result<f64> {
 
 /// SIGSTOP of one worker → the first step at size 2, once the driver declared it frozen.
 fn frozen(run: usize, b: &Args) -> anyhow::Result<f64> {
-    let mut job = Job::start(&format!("frz{run}"), &hosts(2, 2, 2), 4, 4, b)?;
+    let mut job = Job::start(&format!("frz{run}"), &hosts(2, 2, 2), 4, 4, b, None)?;
     job.step_at(4, Instant::now())?;
     // The runs spread the SIGSTOP over the driver's ping period (a quarter of the timeout):
     // how long before the freeze the worker last answered decides when it is declared.
@@ -292,7 +433,7 @@ fn frozen(run: usize, b: &Args) -> anyhow::Result<f64> {
 }
 
 fn scale_up(run: usize, b: &Args) -> anyhow::Result<(f64, f64)> {
-    let mut job = Job::start(&format!("up{run}"), &hosts(2, 2, 2), 4, 6, b)?;
+    let mut job = Job::start(&format!("up{run}"), &hosts(2, 2, 2), 4, 6, b, None)?;
     job.step_at(4, Instant::now())?;
     thread::sleep(Duration::from_millis(300));
     let t0 = Instant::now();
@@ -304,8 +445,9 @@ fn scale_up(run: usize, b: &Args) -> anyhow::Result<(f64, f64)> {
     Ok(((t1 - t0).as_secs_f64(), (t1 - last).as_secs_f64()))
 }
 
-fn rebuild(run: usize, n: usize, b: &Args) -> anyhow::Result<f64> {
-    let mut job = Job::start(&format!("rb{n}-{run}"), &hosts(2, n - 1, 1), n - 1, n, b)?;
+fn rebuild(run: usize, n: usize, b: &Args, store: Option<&StoreOpts>) -> anyhow::Result<f64> {
+    let name = format!("rb{n}-{run}{}", if store.is_some() { "-store" } else { "" });
+    let mut job = Job::start(&name, &hosts(2, n - 1, 1), n - 1, n, b, store)?;
     job.step_at(n - 1, Instant::now())?;
     thread::sleep(Duration::from_millis(300));
     let t0 = Instant::now();
@@ -317,10 +459,76 @@ fn rebuild(run: usize, n: usize, b: &Args) -> anyhow::Result<f64> {
     Ok((t1 - last).as_secs_f64())
 }
 
+/// The failover figures of one run: SIGKILL of the active driver → every worker adopted by
+/// the standby (s), and the longest gap between two of rank 0's steps around it (ms).
+fn failover(run: usize, b: &Args, e: &etcd::Etcd) -> anyhow::Result<(f64, f64)> {
+    let prefix = format!("bench/failover-{}-{run}", std::process::id());
+    let store = StoreOpts {
+        url: e.url(&prefix),
+        port: free_port()?,
+    };
+    let mut job = Job::start(&format!("fo{run}"), &hosts(2, 2, 2), 4, 4, b, Some(&store))?;
+    job.step_at(4, Instant::now())?;
+    job.start_standby()?;
+    thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    let killed_ms = unix_ms();
+    job.child.kill()?;
+    job.child.wait()?;
+    let t1 = job.standby_line("adopted a worker", 4)?;
+    let adopted_ms = unix_ms();
+    // Let rank 0 step on for a second past the adoption, then read what it wrote (its spool
+    // file outlives both drivers' relays).
+    thread::sleep(Duration::from_secs(1));
+    let (from, to) = (killed_ms.saturating_sub(1000), adopted_ms + 1000);
+    let mut at: Vec<u64> = spooled_steps(&prefix, 0)?
+        .into_iter()
+        .filter(|&t| t >= from && t <= to)
+        .collect();
+    at.sort_unstable();
+    if at.len() < 2 {
+        bail!("rank 0 stepped {} times around the failover", at.len());
+    }
+    let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    Ok(((t1 - t0).as_secs_f64(), gap as f64))
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The `at_ms` of every step line rank `rank` wrote to the spool of the job under `prefix`.
+fn spooled_steps(prefix: &str, rank: u64) -> anyhow::Result<Vec<u64>> {
+    let name: String = format!("/{prefix}")
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let spool = std::env::temp_dir().join(format!("hvd-spool{name}"));
+    let mut at = Vec::new();
+    for e in std::fs::read_dir(&spool).with_context(|| format!("{}", spool.display()))? {
+        let path = e?.path();
+        if path.extension().is_none_or(|x| x != "stdout") {
+            continue;
+        }
+        for l in std::fs::read_to_string(&path)?.lines() {
+            let Ok(v) = serde_json::from_str::<Value>(l) else {
+                continue;
+            };
+            if v["event"] == "step" && v["rank"] == rank {
+                at.extend(v["at_ms"].as_u64());
+            }
+        }
+    }
+    Ok(at)
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if args.runs == 0 || args.sizes.iter().any(|&n| n < 2) {
-        bail!("--runs must be at least 1 and every --sizes entry at least 2");
+    if args.runs == 0 || args.sizes.iter().any(|&n| n < 2) || args.store_size < 2 {
+        bail!("--runs must be at least 1, and every --sizes entry and --store-size at least 2");
     }
     if !(args.heartbeat_timeout.is_finite() && args.heartbeat_timeout > 0.0) {
         bail!("--heartbeat-timeout must be a positive number of seconds");
@@ -347,7 +555,7 @@ fn main() -> anyhow::Result<()> {
     if want(Figure::Rebuild) {
         for &n in &args.sizes {
             let v: Vec<f64> = (0..args.runs)
-                .map(|r| rebuild(r, n, &args))
+                .map(|r| rebuild(r, n, &args, None))
                 .collect::<anyhow::Result<_>>()?;
             println!(
                 "re-rendezvous + ring rebuild + sync at {n:>2} workers (pause): {:.3} s  [{}]",
@@ -374,6 +582,70 @@ fn main() -> anyhow::Result<()> {
             }
         );
     }
+    if want(Figure::Failover) || want(Figure::Store) {
+        let e = etcd::Etcd::start();
+        if want(Figure::Failover) {
+            failovers(&args, &e)?;
+        }
+        if want(Figure::Store) {
+            store_cost(&args, &e)?;
+        }
+    }
+    Ok(())
+}
+
+/// The failover figures: adoption time against the lease's TTL + 1 s, and the training pause.
+fn failovers(args: &Args, e: &etcd::Etcd) -> anyhow::Result<()> {
+    let v: Vec<(f64, f64)> = (0..args.runs)
+        .map(|r| failover(r, args, e))
+        .collect::<anyhow::Result<_>>()?;
+    let (adopted, gaps): (Vec<f64>, Vec<f64>) = v.into_iter().unzip();
+    let target = TTL as f64 + 1.0;
+    println!(
+        "failover (SIGKILL of the active driver -> every worker adopted by the standby, ttl \
+         {TTL} s): {:.3} s  [{}]  target {target:.1} s: {}",
+        median(adopted.clone()),
+        fmt(&adopted),
+        if adopted.iter().all(|&x| x <= target) {
+            "every run within"
+        } else {
+            "over"
+        }
+    );
+    println!(
+        "failover: longest gap between two steps of rank 0 around it (10 ms steps): {:.0} ms  \
+         [{}]",
+        median(gaps.clone()),
+        gaps.iter()
+            .map(|g| format!("{g:.0}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    Ok(())
+}
+
+/// The rebuild pause at `--store-size` workers with the state store on and off, alternating.
+fn store_cost(args: &Args, e: &etcd::Etcd) -> anyhow::Result<()> {
+    let n = args.store_size;
+    let (mut off, mut on) = (Vec::new(), Vec::new());
+    for r in 0..args.runs {
+        off.push(rebuild(r, n, args, None)?);
+        let store = StoreOpts {
+            url: e.url(&format!("bench/store-{}-{r}", std::process::id())),
+            port: free_port()?,
+        };
+        on.push(rebuild(r, n, args, Some(&store))?);
+    }
+    let (m_off, m_on) = (median(off.clone()), median(on.clone()));
+    println!(
+        "rebuild pause at {n} workers, state store off: {m_off:.3} s  [{}]",
+        fmt(&off)
+    );
+    println!(
+        "rebuild pause at {n} workers, state store on:  {m_on:.3} s  [{}]  ({:+.1} ms)",
+        fmt(&on),
+        (m_on - m_off) * 1000.0
+    );
     Ok(())
 }
 

@@ -16,7 +16,7 @@
 //! the driver must tell from a frozen process. It prints `busy` before the sleep.
 
 use std::io::Write;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
 use clap::Parser;
@@ -52,6 +52,14 @@ struct Counter {
     step: u64,
     total: i64,
     history: Vec<i64>,
+}
+
+/// Wall-clock milliseconds, so a bench can see gaps between steps across relaying drivers.
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 fn emit(v: &serde_json::Value) {
@@ -112,7 +120,7 @@ fn main() -> anyhow::Result<()> {
             state.step += 1;
             let step = state.step;
             emit(
-                &json!({"event": "step", "step": step, "rank": rank, "size": size, "total": state.total}),
+                &json!({"event": "step", "step": step, "rank": rank, "size": size, "total": state.total, "at_ms": unix_ms()}),
             );
             if step % args.commit_every == 0 {
                 let r = state.commit();

@@ -180,6 +180,28 @@ fn worker_env(
     env
 }
 
+/// How far a spool file has been relayed: the end of the last whole line printed, kept in a
+/// file beside it so a driver that takes over goes on from there.
+struct Mark {
+    path: PathBuf,
+    at: u64,
+    written: Instant,
+}
+
+impl Mark {
+    /// Records that `n` more bytes were printed; writes the offset at most every 50 ms (a
+    /// mark behind the truth repeats lines after a takeover, it never loses one).
+    async fn advance(&mut self, n: usize, force: bool) {
+        self.at += n as u64;
+        if force || self.written.elapsed() >= Duration::from_millis(50) {
+            self.written = Instant::now();
+            if let Err(e) = tokio::fs::write(&self.path, self.at.to_string()).await {
+                tracing::debug!(path = %self.path.display(), error = %e, "cannot mark what was relayed");
+            }
+        }
+    }
+}
+
 /// Relays one pipe of one worker, a line at a time, prefixed `[rank]<stdout>:` as horovodrun
 /// does, and copies it to the rank's log file when one is asked for.
 async fn relay(
@@ -187,10 +209,19 @@ async fn relay(
     stream_name: &'static str,
     pipe: impl AsyncRead + Unpin,
     log: Option<PathBuf>,
+    mut mark: Option<Mark>,
 ) {
     let mut lines = BufReader::new(pipe);
+    let resumed = mark.as_ref().is_some_and(|m| m.at > 0);
     let mut file = match log {
-        Some(p) => match tokio::fs::File::create(&p).await {
+        Some(p) => match tokio::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(resumed)
+            .truncate(!resumed)
+            .open(&p)
+            .await
+        {
             Ok(f) => Some(f),
             Err(e) => {
                 tracing::error!(worker = %label, path = %p.display(), error = %e, "cannot write the rank's log file");
@@ -207,7 +238,9 @@ async fn relay(
             Ok(0) | Err(_) => break,
             Ok(_) => {}
         }
-        if !buf.ends_with(b"\n") {
+        let consumed = buf.len();
+        let whole = buf.ends_with(b"\n");
+        if !whole {
             buf.push(b'\n');
         }
         if let Some(f) = file.as_mut() {
@@ -228,6 +261,12 @@ async fn relay(
         if res.is_err() {
             break; // our own output is closed; nothing else to do with the line
         }
+        if let (Some(m), true) = (mark.as_mut(), whole) {
+            m.advance(consumed, false).await;
+        }
+    }
+    if let Some(m) = mark.as_mut() {
+        m.advance(0, true).await;
     }
 }
 
@@ -266,18 +305,26 @@ pub fn spool_file(dir: &std::path::Path, id: u64, stream: &str) -> PathBuf {
     dir.join(format!("worker.{id}.{stream}"))
 }
 
-/// Relays the lines a worker writes to `path` (as [`relay`] does a pipe's), from its start or
-/// from its current end, until `ended` is set and the file is read to its end.
+/// Relays the lines a worker writes to `path` (as [`relay`] does a pipe's) until `ended` is
+/// set and the file is read to its end. It starts where the last relay of the file stopped
+/// (kept in `<path>.relayed`), so a driver that takes over a worker repeats at most the lines
+/// of the predecessor's last 50 ms and loses none the worker wrote while no driver was up.
 pub fn tail(
     label: String,
     stream_name: &'static str,
     path: PathBuf,
-    from_end: bool,
     ended: Arc<AtomicBool>,
     log: Option<PathBuf>,
 ) -> tokio::task::JoinHandle<()> {
     use tokio::io::{AsyncReadExt, AsyncSeekExt};
     let (mut tx, rx) = tokio::io::duplex(64 * 1024);
+    let mut mark_name = path.clone().into_os_string();
+    mark_name.push(".relayed");
+    let mark_path = PathBuf::from(mark_name);
+    let at: u64 = std::fs::read_to_string(&mark_path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
     tokio::spawn(async move {
         let mut f = match tokio::fs::File::open(&path).await {
             Ok(f) => f,
@@ -286,7 +333,7 @@ pub fn tail(
                 return;
             }
         };
-        if from_end && f.seek(std::io::SeekFrom::End(0)).await.is_err() {
+        if f.seek(std::io::SeekFrom::Start(at)).await.is_err() {
             return;
         }
         let mut buf = vec![0u8; 64 * 1024];
@@ -304,7 +351,12 @@ pub fn tail(
             }
         }
     });
-    tokio::spawn(relay(label, stream_name, rx, log))
+    let mark = Mark {
+        path: mark_path,
+        at,
+        written: Instant::now(),
+    };
+    tokio::spawn(relay(label, stream_name, rx, log, Some(mark)))
 }
 
 /// A started worker.
@@ -398,8 +450,20 @@ impl Launcher {
                 agents.start(host, id, self.command.clone(), env, cwd, &self.exits)?;
             tracing::debug!(worker = id, host, "worker handed to the agent");
             let relays = vec![
-                tokio::spawn(relay(label.to_string(), "stdout", out, file("stdout"))),
-                tokio::spawn(relay(label.to_string(), "stderr", err, file("stderr"))),
+                tokio::spawn(relay(
+                    label.to_string(),
+                    "stdout",
+                    out,
+                    file("stdout"),
+                    None,
+                )),
+                tokio::spawn(relay(
+                    label.to_string(),
+                    "stderr",
+                    err,
+                    file("stderr"),
+                    None,
+                )),
             ];
             return Ok(Spawned {
                 handle: Handle::Agent(remote),
@@ -435,6 +499,10 @@ impl Launcher {
                 let path = spool_file(dir, id, name);
                 let f = std::fs::File::create(&path)
                     .map_err(|e| format!("creating {}: {e}", path.display()))?;
+                // A mark left by an earlier job under the same prefix means nothing here.
+                let mut mark = path.clone().into_os_string();
+                mark.push(".relayed");
+                let _ = std::fs::remove_file(mark);
                 if out {
                     cmd.stdout(Stdio::from(f));
                 } else {
@@ -444,7 +512,6 @@ impl Launcher {
                     label.to_string(),
                     name,
                     path,
-                    false,
                     Arc::clone(&ended),
                     file(name),
                 ));
@@ -463,6 +530,7 @@ impl Launcher {
                 "stdout",
                 out,
                 file("stdout"),
+                None,
             )));
         }
         if let Some(err) = child.stderr.take() {
@@ -471,6 +539,7 @@ impl Launcher {
                 "stderr",
                 err,
                 file("stderr"),
+                None,
             )));
         }
         let exits = self.exits.clone();

@@ -180,7 +180,6 @@ impl Driver {
                             id.to_string(),
                             name,
                             path,
-                            true,
                             Arc::clone(&ended),
                             None,
                         ));
@@ -761,6 +760,10 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     }
     if let Some(c) = control {
         c.finish().await;
+    }
+    if let Some(dir) = &d.launcher.spool {
+        // Every worker is gone and its output relayed: the spool has served.
+        let _ = std::fs::remove_dir_all(dir);
     }
     Ok(match interrupted {
         Some(sig) => Ending {
