@@ -274,8 +274,10 @@ fn store_spec(
     if ttl < std::time::Duration::from_secs(1) {
         bail!("--state-store-ttl must be at least 1 second (etcd leases count whole seconds)");
     }
+    let credentials = hvd_store::Credentials::from_env()?;
     Ok(Some(elastic::control::StoreSpec {
         url,
+        credentials,
         standby: args.standby,
         ttl,
         grace: positive(args.driver_grace.unwrap_or(60.0), "--driver-grace")?,

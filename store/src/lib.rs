@@ -62,6 +62,12 @@ pub enum StoreError {
         /// How it was found out.
         why: String,
     },
+    /// The etcd credentials in the environment are incomplete.
+    #[error("the state store's credentials: {why}")]
+    Credentials {
+        /// What is missing.
+        why: String,
+    },
     /// What the store holds is not what this driver writes.
     #[error("the state store's {key} holds something this driver cannot read: {why}")]
     Corrupt {
@@ -70,6 +76,64 @@ pub enum StoreError {
         /// The decoding error.
         why: String,
     },
+}
+
+/// A user name and password for an etcd with authentication on, from
+/// `HVD_STATE_STORE_USERNAME` and `HVD_STATE_STORE_PASSWORD` (never from the command line,
+/// where `ps` would show the password).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credentials {
+    /// The etcd user.
+    pub username: String,
+    /// Its password.
+    pub password: String,
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credentials")
+            .field("username", &self.username)
+            .field("password", &"<hidden>")
+            .finish()
+    }
+}
+
+/// The variable holding the etcd user name.
+pub const ENV_USERNAME: &str = "HVD_STATE_STORE_USERNAME";
+/// The variable holding the etcd user's password.
+pub const ENV_PASSWORD: &str = "HVD_STATE_STORE_PASSWORD";
+
+impl Credentials {
+    /// The credentials the environment gives: none when neither variable is set.
+    ///
+    /// # Errors
+    /// [`StoreError::Credentials`] when only one of the two is set, or one is empty.
+    pub fn from_env() -> Result<Option<Self>> {
+        Self::from_vars(
+            std::env::var(ENV_USERNAME).ok(),
+            std::env::var(ENV_PASSWORD).ok(),
+        )
+    }
+
+    /// [`Credentials::from_env`] on given values.
+    ///
+    /// # Errors
+    /// As [`Credentials::from_env`].
+    pub fn from_vars(username: Option<String>, password: Option<String>) -> Result<Option<Self>> {
+        let bad = |why: String| StoreError::Credentials { why };
+        match (username, password) {
+            (None, None) => Ok(None),
+            (Some(_), None) => Err(bad(format!(
+                "{ENV_USERNAME} is set but {ENV_PASSWORD} is not"
+            ))),
+            (None, Some(_)) => Err(bad(format!(
+                "{ENV_PASSWORD} is set but {ENV_USERNAME} is not"
+            ))),
+            (Some(u), Some(_)) if u.is_empty() => Err(bad(format!("{ENV_USERNAME} is empty"))),
+            (Some(_), Some(p)) if p.is_empty() => Err(bad(format!("{ENV_PASSWORD} is empty"))),
+            (Some(username), Some(password)) => Ok(Some(Self { username, password })),
+        }
+    }
 }
 
 /// Result of a store call.
@@ -226,14 +290,22 @@ impl fmt::Debug for Store {
 }
 
 impl Store {
-    /// Connects to `url`'s endpoints, giving up after `timeout` with an error that names them.
+    /// Connects to `url`'s endpoints (as `credentials`' user when given), giving up after
+    /// `timeout` with an error that names them.
     ///
     /// # Errors
-    /// [`StoreError::Unreachable`].
-    pub async fn connect(url: &StoreUrl, timeout: Duration) -> Result<Self> {
-        let options = ConnectOptions::new()
+    /// [`StoreError::Unreachable`], also for credentials etcd refuses.
+    pub async fn connect(
+        url: &StoreUrl,
+        timeout: Duration,
+        credentials: Option<&Credentials>,
+    ) -> Result<Self> {
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(timeout)
             .with_timeout(timeout);
+        if let Some(c) = credentials {
+            options = options.with_user(c.username.clone(), c.password.clone());
+        }
         let unreachable = |source| StoreError::Unreachable {
             endpoints: url.endpoints.join(","),
             source,

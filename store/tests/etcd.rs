@@ -22,7 +22,7 @@ fn me(id: &str) -> Leader {
 
 async fn store(e: &Etcd, prefix: &str) -> Store {
     let url: StoreUrl = e.url(prefix).parse().unwrap();
-    Store::connect(&url, T).await.unwrap()
+    Store::connect(&url, T, None).await.unwrap()
 }
 
 #[tokio::test]
@@ -35,7 +35,7 @@ async fn an_unreachable_store_is_named_in_the_error() {
         .port();
     let url: StoreUrl = format!("etcd://127.0.0.1:{port}/job").parse().unwrap();
     let t = Instant::now();
-    let e = Store::connect(&url, Duration::from_secs(1))
+    let e = Store::connect(&url, Duration::from_secs(1), None)
         .await
         .unwrap_err();
     assert!(matches!(e, StoreError::Unreachable { .. }), "{e:?}");
@@ -185,4 +185,47 @@ async fn losing_etcd_makes_the_lease_unsure_and_its_return_restores_it() {
         a.save(&lead, b"late").await.unwrap_err(),
         StoreError::Fenced { .. }
     ));
+}
+
+/// An etcd with authentication on: a driver connects as the user the environment names;
+/// without credentials, or with a wrong password, it is refused with the endpoint named; a
+/// half-given pair is refused before any connection.
+#[tokio::test]
+async fn an_etcd_with_authentication_takes_the_credentials_it_is_given() {
+    use hvd_store::Credentials;
+    let e = Etcd::start();
+    let mut admin = etcd_client::Client::connect([e.endpoint()], None)
+        .await
+        .unwrap();
+    admin.user_add("root", "root-pw", None).await.unwrap();
+    admin.user_grant_role("root", "root").await.unwrap();
+    admin.auth_enable().await.unwrap();
+    let url: StoreUrl = e.url("jobs/auth").parse().unwrap();
+    let good = Credentials::from_vars(Some("root".into()), Some("root-pw".into()))
+        .unwrap()
+        .unwrap();
+    let s = Store::connect(&url, T, Some(&good)).await.unwrap();
+    let lead = match s.campaign(&me("a"), T).await.unwrap() {
+        Campaign::Won(l) => l,
+        Campaign::Held(h) => panic!("held by {h:?}"),
+    };
+    s.save(&lead, b"record").await.unwrap();
+    assert_eq!(s.load().await.unwrap().as_deref(), Some(&b"record"[..]));
+    let wrong = Credentials::from_vars(Some("root".into()), Some("nope".into()))
+        .unwrap()
+        .unwrap();
+    for creds in [None, Some(&wrong)] {
+        let err = match Store::connect(&url, T, creds).await {
+            Ok(_) => panic!("connected with {creds:?} to an etcd with authentication on"),
+            Err(err) => err,
+        };
+        assert!(err.to_string().contains(&e.endpoint()), "{err}");
+    }
+    assert!(format!("{good:?}").contains("<hidden>"));
+    assert!(!format!("{good:?}").contains("root-pw"));
+    let half = Credentials::from_vars(Some("root".into()), None).unwrap_err();
+    assert!(
+        half.to_string().contains("HVD_STATE_STORE_PASSWORD"),
+        "{half}"
+    );
 }

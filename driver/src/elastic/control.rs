@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use hvd_store::{Leader, Leadership, LeaseState, Store, StoreError, StoreUrl};
+use hvd_store::{Credentials, Leader, Leadership, LeaseState, Store, StoreError, StoreUrl};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 
@@ -23,6 +23,8 @@ use super::core::Core;
 pub struct StoreSpec {
     /// Where.
     pub url: StoreUrl,
+    /// The etcd user, when etcd has authentication on.
+    pub credentials: Option<Credentials>,
     /// Wait while another driver is active (`--standby`).
     pub standby: bool,
     /// The lease's time to live (`--state-store-ttl`).
@@ -74,7 +76,8 @@ impl Control {
         spec: &StoreSpec,
         address: String,
     ) -> anyhow::Result<(Self, Option<Record>)> {
-        let store = Store::connect(&spec.url, Duration::from_secs(5)).await?;
+        let store =
+            Store::connect(&spec.url, Duration::from_secs(5), spec.credentials.as_ref()).await?;
         let me = Leader {
             id: format!(
                 "{}:{}:{}",
