@@ -218,7 +218,7 @@ fn a_second_driver_is_refused_while_one_is_active() {
         .unwrap();
     let left = rt.block_on(async {
         let url: hvd_store::StoreUrl = e.url(&prefix).parse().unwrap();
-        let s = hvd_store::Store::connect(&url, Duration::from_secs(5))
+        let s = hvd_store::Store::connect(&url, Duration::from_secs(5), None)
             .await
             .unwrap();
         (s.load().await.unwrap(), s.leader().await.unwrap())
