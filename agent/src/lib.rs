@@ -5,7 +5,9 @@
 //! - [`auth`]: the job's one authentication ([`hvd_auth`]), a mutual challenge–response both
 //!   sides run with the shared secret ([`ENV_AGENT_SECRET`]) before anything else.
 //! - [`serve`]: the agent's server. Processes run in their own process groups; when the
-//!   connection that started them ends, they are stopped, so a dead driver leaves no orphans.
+//!   connection that started them ends, they are stopped, so a dead driver leaves no orphans;
+//!   a driver that claimed its job ([`ToAgent::Claim`]) leaves them running for its grace,
+//!   their output kept (bounded), for the driver that takes the job over.
 //! - [`connect`]: the driver's client, returning the two halves of an authenticated connection.
 //!   [`Events::next`] is cancel safe, so it can wait in a `select!` beside other work.
 //! - [`reap_orphans`]: for an agent that is PID 1, reaping the orphans it inherits.
@@ -36,7 +38,7 @@ mod reaper;
 mod server;
 
 pub use client::{AgentError, Events, Requests, connect};
-pub use proto::{FromAgent, Stream, ToAgent};
+pub use proto::{FromAgent, Held, Stream, ToAgent};
 pub use reaper::reap_orphans;
 pub use server::{Limits, serve, serve_with_limits};
 

@@ -5,6 +5,10 @@
 //! the agent sends [`FromAgent::Challenge`], the driver answers [`ToAgent::Auth`] with the MAC
 //! of the agent's nonce and a nonce of its own, and the agent answers [`FromAgent::Welcome`]
 //! with the MAC of that one, or [`FromAgent::Refused`] and closes. Only then are requests read.
+//!
+//! A driver with a state store then claims its job ([`ToAgent::Claim`]): the processes it
+//! starts outlive its connection for the grace it names, and the next connection that claims
+//! the job (the driver that took over) receives them, with what they wrote meanwhile.
 
 use serde::{Deserialize, Serialize};
 
@@ -18,6 +22,15 @@ pub enum ToAgent {
         mac: String,
         /// A fresh nonce the agent must answer in its welcome, proving it knows the secret too.
         nonce: String,
+    },
+    /// Act for job `job` (before any start): when this connection ends, its processes run
+    /// on for `grace_ms` and go to the next connection that claims the job; the processes a
+    /// previous connection of the job left are handed to this one now.
+    Claim {
+        /// The job's name, the same for every driver of the job (its state store prefix).
+        job: String,
+        /// Milliseconds the processes outlive a lost connection before they are stopped.
+        grace_ms: u64,
     },
     /// Start a process in its own process group.
     Start {
@@ -68,6 +81,16 @@ pub enum FromAgent {
         /// Why.
         reason: String,
     },
+    /// The answer to [`ToAgent::Claim`]: the processes of the job this connection now has
+    /// (none for a new job). What they wrote while no driver was connected, and the exits of
+    /// those that ended meanwhile, follow as [`FromAgent::Output`] and [`FromAgent::Exited`].
+    Claimed {
+        /// Each process handed over: the driver's id and the process id.
+        processes: Vec<Held>,
+        /// Output lines dropped, oldest first, because more was written than the agent keeps
+        /// while no driver is connected.
+        dropped_lines: u64,
+    },
     /// A process started.
     Started {
         /// The driver's id for it.
@@ -105,6 +128,16 @@ pub enum FromAgent {
         /// Why.
         reason: String,
     },
+}
+
+/// A process an agent kept for a job while no driver was connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Held {
+    /// The driver's id for it.
+    pub id: u64,
+    /// Its process id (and process group id).
+    pub pid: u32,
 }
 
 #[cfg(test)]

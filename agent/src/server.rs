@@ -3,14 +3,20 @@
 //! the connection that started it: when that connection ends, for whatever reason, its
 //! processes are stopped (SIGTERM to the group, SIGKILL after a grace), so a dead driver leaves
 //! no orphans behind. When a process's leader ends, whatever is left of its group is killed.
+//!
+//! A connection that claimed a job ([`ToAgent::Claim`]) is the exception: its processes (a
+//! [`Session`]) are parked when it ends, their output and exits kept (at most [`HOLD_BYTES`]
+//! of output, the oldest lines dropped first; exits are never dropped) for the grace it named,
+//! and handed to the next connection that claims the job. Nobody claiming it by then, they are
+//! stopped as any connection's are.
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
 use std::process::Stdio;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hvd_rendezvous::{MAX_LINE, decode_line, encode_line};
@@ -26,7 +32,7 @@ use tokio::time::Instant;
 
 use crate::auth;
 use crate::lines::{Line, LineReader};
-use crate::proto::{FromAgent, Stream, ToAgent};
+use crate::proto::{FromAgent, Held, Stream, ToAgent};
 use crate::{net, reaper};
 
 /// How long a new connection has to answer the challenge.
@@ -43,6 +49,11 @@ const AUTH_MAX_LINE: usize = 4096;
 const OUT_QUEUE: usize = 1024;
 /// Longest output line sent as one message; longer lines are split.
 const MAX_OUTPUT_LINE: usize = 64 * 1024;
+
+/// Bytes of output kept for a claimed job while no driver is connected.
+const HOLD_BYTES: usize = 4 * 1024 * 1024;
+/// How long a claim waits for the job's previous connection to let go of it.
+const CLAIM_WAIT: Duration = Duration::from_secs(5);
 
 /// Environment variables the agent keeps from the processes it starts.
 const PRIVATE_ENV: &[&str] = &[crate::ENV_AGENT_SECRET];
@@ -84,6 +95,7 @@ pub async fn serve_with_limits(
     let open = Arc::new(Semaphore::new(limits.connections));
     let authenticating = Arc::new(Semaphore::new(limits.unauthenticated));
     let mut full_warned = false;
+    let jobs = Jobs::default();
     let mut conns = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
@@ -97,7 +109,7 @@ pub async fn serve_with_limits(
                             stream,
                             peer,
                             secret.clone(),
-                            stop_rx.clone(),
+                            (stop_rx.clone(), jobs.clone()),
                             (slot, authenticating.clone()),
                         ));
                     }
@@ -126,9 +138,258 @@ pub async fn serve_with_limits(
         "shutting down: stopping every process"
     );
     let _ = stop_tx.send(true);
-    let all = async { while conns.join_next().await.is_some() {} };
+    let all = async {
+        while conns.join_next().await.is_some() {}
+        // Jobs whose driver is away go too.
+        for mut session in jobs.take_parked() {
+            stop_all(&mut session.procs, &mut session.done_rx).await;
+        }
+    };
     if tokio::time::timeout(TERM_GRACE * 5, all).await.is_err() {
         tracing::warn!("some connections did not finish stopping their processes in time");
+    }
+}
+
+/// Where a session's output and exits go: to its driver's connection, or, while the driver of
+/// a claimed job is away, into a bounded buffer for the driver that claims the job next.
+#[derive(Clone)]
+struct Sink(Arc<tokio::sync::Mutex<SinkState>>);
+
+enum SinkState {
+    Connected(mpsc::Sender<FromAgent>),
+    Holding(Holding),
+}
+
+/// Messages kept while no driver is connected.
+#[derive(Default)]
+struct Holding {
+    msgs: VecDeque<FromAgent>,
+    bytes: usize,
+    dropped: u64,
+}
+
+impl Holding {
+    /// Keeps `msg`; past [`HOLD_BYTES`] of output the oldest lines go (exits always stay).
+    fn push(&mut self, msg: FromAgent) {
+        if let FromAgent::Output { line, .. } = &msg {
+            self.bytes += line.len();
+        }
+        self.msgs.push_back(msg);
+        while self.bytes > HOLD_BYTES {
+            let Some(i) = self
+                .msgs
+                .iter()
+                .position(|m| matches!(m, FromAgent::Output { .. }))
+            else {
+                break;
+            };
+            if let Some(FromAgent::Output { line, .. }) = self.msgs.remove(i) {
+                self.bytes -= line.len();
+                self.dropped += 1;
+            }
+        }
+    }
+}
+
+impl Sink {
+    fn new(out: mpsc::Sender<FromAgent>) -> Self {
+        Self(Arc::new(tokio::sync::Mutex::new(SinkState::Connected(out))))
+    }
+
+    /// Sends `msg` to the driver, or keeps it when none is connected.
+    async fn send(&self, msg: FromAgent) {
+        let mut state = self.0.lock().await;
+        match &mut *state {
+            SinkState::Connected(tx) => {
+                if let Err(mpsc::error::SendError(msg)) = tx.send(msg).await {
+                    let mut held = Holding::default();
+                    held.push(msg);
+                    *state = SinkState::Holding(held);
+                }
+            }
+            SinkState::Holding(held) => held.push(msg),
+        }
+    }
+
+    /// From now on, keeps what comes.
+    async fn hold(&self) {
+        let mut state = self.0.lock().await;
+        if let SinkState::Connected(_) = &*state {
+            *state = SinkState::Holding(Holding::default());
+        }
+    }
+
+    /// Hands the session to a new driver: `claimed` first, then everything kept, in order;
+    /// then live output goes to it.
+    async fn reconnect(&self, out: mpsc::Sender<FromAgent>, processes: Vec<Held>) {
+        let mut state = self.0.lock().await;
+        let held = match std::mem::replace(&mut *state, SinkState::Connected(out.clone())) {
+            SinkState::Holding(h) => h,
+            SinkState::Connected(_) => Holding::default(),
+        };
+        if held.dropped > 0 {
+            tracing::warn!(
+                lines = held.dropped,
+                kept = HOLD_BYTES,
+                "output lines were dropped while no driver was connected"
+            );
+        }
+        let claimed = FromAgent::Claimed {
+            processes,
+            dropped_lines: held.dropped,
+        };
+        for msg in std::iter::once(claimed).chain(held.msgs) {
+            if out.send(msg).await.is_err() {
+                break;
+            }
+        }
+    }
+}
+
+/// The processes of one connection, or of one claimed job across its connections.
+struct Session {
+    procs: HashMap<u64, Proc>,
+    done_tx: mpsc::UnboundedSender<u64>,
+    done_rx: mpsc::UnboundedReceiver<u64>,
+    sink: Sink,
+    /// The job it was claimed for, how long it outlives its connection, and its claim's
+    /// epoch in [`Jobs`].
+    claim: Option<(String, Duration, u64)>,
+}
+
+impl Session {
+    fn new(out: mpsc::Sender<FromAgent>) -> Self {
+        let (done_tx, done_rx) = mpsc::unbounded_channel();
+        Self {
+            procs: HashMap::new(),
+            done_tx,
+            done_rx,
+            sink: Sink::new(out),
+            claim: None,
+        }
+    }
+}
+
+/// The claimed jobs of this agent: each held by a connection, or parked while its driver is
+/// away.
+#[derive(Clone, Default)]
+struct Jobs(Arc<Mutex<JobsInner>>);
+
+#[derive(Default)]
+struct JobsInner {
+    slots: HashMap<String, Slot>,
+    next_epoch: u64,
+}
+
+enum Slot {
+    /// A connection acts for the job; `kick` asks it to let go (a new driver claims it).
+    Active {
+        epoch: u64,
+        kick: watch::Sender<bool>,
+    },
+    /// No connection: the processes wait for the next claim until the grace ends.
+    Parked { epoch: u64, session: Session },
+}
+
+impl Jobs {
+    fn lock(&self) -> std::sync::MutexGuard<'_, JobsInner> {
+        // A panic while the map was held leaves it consistent (every change is one insert or
+        // remove), so a poisoned lock is still usable.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Makes the caller the job's connection: returns the parked session if there is one
+    /// (asking a connection that still holds the job to let go, and waiting for it), the
+    /// claim's epoch, and the receiver of kicks.
+    async fn claim(
+        &self,
+        job: &str,
+    ) -> Result<(Option<Session>, u64, watch::Receiver<bool>), String> {
+        let deadline = Instant::now() + CLAIM_WAIT;
+        loop {
+            {
+                let mut jobs = self.lock();
+                match jobs.slots.remove(job) {
+                    Some(Slot::Active { epoch, kick }) => {
+                        let _ = kick.send(true);
+                        jobs.slots
+                            .insert(job.to_string(), Slot::Active { epoch, kick });
+                    }
+                    other => {
+                        let parked = match other {
+                            Some(Slot::Parked { session, .. }) => Some(session),
+                            _ => None,
+                        };
+                        jobs.next_epoch += 1;
+                        let epoch = jobs.next_epoch;
+                        let (kick, kicked) = watch::channel(false);
+                        jobs.slots
+                            .insert(job.to_string(), Slot::Active { epoch, kick });
+                        return Ok((parked, epoch, kicked));
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "job {job:?} is held by another connection that does not let go"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Parks the session of a connection that ended, if it still holds its job; returns it
+    /// back when it does not (it is then stopped).
+    fn park(&self, job: &str, epoch: u64, session: Session) -> Option<Session> {
+        let mut jobs = self.lock();
+        match jobs.slots.get(job) {
+            Some(Slot::Active { epoch: e, .. }) if *e == epoch => {
+                jobs.slots
+                    .insert(job.to_string(), Slot::Parked { epoch, session });
+                None
+            }
+            _ => Some(session),
+        }
+    }
+
+    /// Takes the parked session of `job` if it is still the one parked at `epoch`.
+    fn expire(&self, job: &str, epoch: u64) -> Option<Session> {
+        let mut jobs = self.lock();
+        match jobs.slots.get(job) {
+            Some(Slot::Parked { epoch: e, .. }) if *e == epoch => match jobs.slots.remove(job) {
+                Some(Slot::Parked { session, .. }) => Some(session),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// Forgets the claim of a connection that ends while its job is not parked.
+    fn release(&self, job: &str, epoch: u64) {
+        let mut jobs = self.lock();
+        if matches!(jobs.slots.get(job), Some(Slot::Active { epoch: e, .. }) if *e == epoch) {
+            jobs.slots.remove(job);
+        }
+    }
+
+    /// Every parked session (the agent is shutting down).
+    fn take_parked(&self) -> Vec<Session> {
+        let mut jobs = self.lock();
+        let names: Vec<String> = jobs
+            .slots
+            .iter()
+            .filter(|(_, s)| matches!(s, Slot::Parked { .. }))
+            .map(|(k, _)| k.clone())
+            .collect();
+        names
+            .into_iter()
+            .filter_map(|k| match jobs.slots.remove(&k) {
+                Some(Slot::Parked { session, .. }) => Some(session),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -147,7 +408,7 @@ async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     secret: Arc<String>,
-    mut stop: watch::Receiver<bool>,
+    (mut stop, jobs): (watch::Receiver<bool>, Jobs),
     (_open, authenticating): Slots,
 ) {
     let _ = stream.set_nodelay(true);
@@ -170,8 +431,10 @@ async fn connection(
         return;
     }
     tracing::info!(%peer, "driver connected");
-    let mut procs: HashMap<u64, Proc> = HashMap::new();
-    let (done_tx, mut done_rx) = mpsc::channel::<u64>(64);
+    let mut session = Session::new(out.clone());
+    // Until a claim, nothing kicks this connection; the sender lives as long as the loop.
+    let (_unclaimed, mut kicked) = watch::channel(false);
+    let mut stopping = false;
     loop {
         // `next` is cancel safe: a request half received when a process ends is kept.
         tokio::select! {
@@ -183,21 +446,72 @@ async fn connection(
                     break;
                 }
                 Ok(Line::Full(buf)) => match decode_line::<ToAgent>(buf) {
-                    Ok(req) => request(req, &mut procs, &out, &done_tx).await,
+                    Ok(ToAgent::Claim { job, grace_ms }) => {
+                        match claim(&jobs, &mut session, job, grace_ms, &out).await {
+                            Ok(k) => kicked = k,
+                            Err(reason) => {
+                                tracing::warn!(%peer, %reason, "claim refused");
+                                let _ = out.send(FromAgent::Error { reason }).await;
+                            }
+                        }
+                    }
+                    Ok(req) => request(req, &mut session, &out).await,
                     Err(e) => {
                         tracing::warn!(%peer, error = %e, "bad request");
                         let _ = out.send(FromAgent::Error { reason: format!("bad request: {e}") }).await;
                     }
                 },
             },
-            Some(id) = done_rx.recv() => { procs.remove(&id); }
-            _ = stop.changed() => break,
+            Some(id) = session.done_rx.recv() => { session.procs.remove(&id); }
+            _ = stop.changed() => { stopping = true; break; }
+            _ = kicked.changed() => {
+                tracing::info!(%peer, "another driver connection claimed this job; handing it over");
+                break;
+            }
         }
     }
-    if !procs.is_empty() {
-        tracing::info!(%peer, processes = procs.len(), "stopping the processes this driver started");
+    match session.claim.clone() {
+        Some((job, grace, epoch)) if !stopping && !grace.is_zero() => {
+            session.sink.hold().await;
+            let processes = session.procs.len();
+            match jobs.park(&job, epoch, session) {
+                None => {
+                    tracing::info!(
+                        %peer,
+                        job,
+                        processes,
+                        grace_ms = grace.as_millis() as u64,
+                        "driver gone: the job's processes run on for its successor"
+                    );
+                    let jobs = jobs.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(grace).await;
+                        if let Some(mut s) = jobs.expire(&job, epoch) {
+                            tracing::warn!(
+                                job,
+                                processes = s.procs.len(),
+                                "no driver claimed the job within its grace; stopping its processes"
+                            );
+                            stop_all(&mut s.procs, &mut s.done_rx).await;
+                        }
+                    });
+                }
+                Some(mut s) => {
+                    tracing::info!(%peer, processes, "stopping the processes this driver started");
+                    stop_all(&mut s.procs, &mut s.done_rx).await;
+                }
+            }
+        }
+        claim => {
+            if let Some((job, _, epoch)) = claim {
+                jobs.release(&job, epoch);
+            }
+            if !session.procs.is_empty() {
+                tracing::info!(%peer, processes = session.procs.len(), "stopping the processes this driver started");
+            }
+            stop_all(&mut session.procs, &mut session.done_rx).await;
+        }
     }
-    stop_all(&mut procs, &mut done_rx).await;
     drop(out);
     // Exits of the stopped processes still go out when the driver is there to read them.
     if tokio::time::timeout(Duration::from_secs(1), writer)
@@ -206,6 +520,44 @@ async fn connection(
     {
         tracing::debug!(%peer, "driver not reading; its last messages were dropped");
     }
+}
+
+/// Makes this connection the one acting for `job`: takes over the processes a previous
+/// connection of the job left (answering [`FromAgent::Claimed`] and what they wrote
+/// meanwhile); returns the receiver that says when a later claim takes the job away.
+async fn claim(
+    jobs: &Jobs,
+    session: &mut Session,
+    job: String,
+    grace_ms: u64,
+    out: &mpsc::Sender<FromAgent>,
+) -> Result<watch::Receiver<bool>, String> {
+    if session.claim.is_some() {
+        return Err("this connection has already claimed a job".into());
+    }
+    if !session.procs.is_empty() {
+        return Err("a claim must come before the connection starts processes".into());
+    }
+    if job.is_empty() {
+        return Err("a claim must name its job".into());
+    }
+    let (parked, epoch, kicked) = jobs.claim(&job).await?;
+    if let Some(p) = parked {
+        *session = p;
+    }
+    session.claim = Some((job.clone(), Duration::from_millis(grace_ms), epoch));
+    let mut held: Vec<Held> = session
+        .procs
+        .iter()
+        .map(|(&id, p)| Held {
+            id,
+            pid: p.pid.unsigned_abs(),
+        })
+        .collect();
+    held.sort_by_key(|h| h.id);
+    tracing::info!(job, processes = held.len(), grace_ms, "job claimed");
+    session.sink.reconnect(out.clone(), held).await;
+    Ok(kicked)
 }
 
 async fn write_loop(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<FromAgent>) {
@@ -266,12 +618,8 @@ async fn handshake(
     .map_err(|_| "connection closed".to_string())
 }
 
-async fn request(
-    req: ToAgent,
-    procs: &mut HashMap<u64, Proc>,
-    out: &mpsc::Sender<FromAgent>,
-    done_tx: &mpsc::Sender<u64>,
-) {
+async fn request(req: ToAgent, session: &mut Session, out: &mpsc::Sender<FromAgent>) {
+    let procs = &mut session.procs;
     match req {
         ToAgent::Auth { .. } => {
             let _ = out
@@ -286,7 +634,14 @@ async fn request(
                     id,
                     error: format!("process {id} of this connection is still running"),
                 },
-                Entry::Vacant(slot) => match start(id, &argv, env, cwd.as_deref(), out, done_tx) {
+                Entry::Vacant(slot) => match start(
+                    id,
+                    &argv,
+                    env,
+                    cwd.as_deref(),
+                    &session.sink,
+                    &session.done_tx,
+                ) {
                     Ok(p) => {
                         let pid = p.pid.unsigned_abs();
                         slot.insert(p);
@@ -305,6 +660,7 @@ async fn request(
             Some(p) => stop(id, p, Duration::from_millis(grace_ms)),
             None => tracing::debug!(id, "stop for a process that is not running"),
         },
+        ToAgent::Claim { .. } => {} // handled by the connection
     }
 }
 
@@ -344,7 +700,7 @@ fn signal_group(pid: i32, sig: Signal) {
 }
 
 /// Stops every process (SIGTERM, SIGKILL after the grace) and waits until they are reaped.
-async fn stop_all(procs: &mut HashMap<u64, Proc>, done_rx: &mut mpsc::Receiver<u64>) {
+async fn stop_all(procs: &mut HashMap<u64, Proc>, done_rx: &mut mpsc::UnboundedReceiver<u64>) {
     for sig in [Signal::SIGTERM, Signal::SIGKILL] {
         if procs.is_empty() {
             return;
@@ -371,8 +727,8 @@ fn start(
     argv: &[String],
     env: Vec<(String, String)>,
     cwd: Option<&str>,
-    out: &mpsc::Sender<FromAgent>,
-    done_tx: &mpsc::Sender<u64>,
+    out: &Sink,
+    done_tx: &mpsc::UnboundedSender<u64>,
 ) -> Result<Proc, String> {
     let Some(program) = argv.first() else {
         return Err("empty command".into());
@@ -449,8 +805,8 @@ fn start(
         for r in relays {
             let _ = r.await;
         }
-        let _ = out.send(FromAgent::Exited { id, code, signal }).await;
-        let _ = done_tx.send(id).await;
+        out.send(FromAgent::Exited { id, code, signal }).await;
+        let _ = done_tx.send(id);
     });
     Ok(Proc { pid, done })
 }
@@ -471,7 +827,7 @@ async fn relay(
     id: u64,
     stream: Stream,
     pipe: impl AsyncRead + Unpin,
-    out: mpsc::Sender<FromAgent>,
+    out: Sink,
     mut exited: watch::Receiver<bool>,
 ) {
     let mut r = BufReader::new(pipe);
@@ -521,13 +877,7 @@ async fn relay(
             }
             let line = String::from_utf8_lossy(&buf).into_owned();
             buf.clear();
-            if out
-                .send(FromAgent::Output { id, stream, line })
-                .await
-                .is_err()
-            {
-                return; // the connection is gone; its processes are being stopped
-            }
+            out.send(FromAgent::Output { id, stream, line }).await;
         }
         if last {
             return;

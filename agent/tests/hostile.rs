@@ -18,7 +18,7 @@ use std::time::Duration;
 use std::sync::{Arc, Mutex};
 
 use hvd_agent::auth::{CONTEXT, Handshake, Nonce, Role, Tag};
-use hvd_agent::{AgentError, FromAgent, Limits, Stream, ToAgent, connect};
+use hvd_agent::{AgentError, FromAgent, Held, Limits, Stream, ToAgent, connect};
 use hvd_rendezvous::{MAX_LINE, ProtocolError, decode_line, encode_line};
 use lines::{Edit, check, edits};
 use proptest::collection::vec;
@@ -50,6 +50,7 @@ fn to_agent() -> impl Strategy<Value = ToAgent> {
         )
             .prop_map(|(id, argv, env, cwd)| ToAgent::Start { id, argv, env, cwd }),
         (any::<u64>(), any::<u64>()).prop_map(|(id, grace_ms)| ToAgent::Stop { id, grace_ms }),
+        (text(), any::<u64>()).prop_map(|(job, grace_ms)| ToAgent::Claim { job, grace_ms }),
     ]
 }
 
@@ -72,6 +73,12 @@ fn from_agent() -> impl Strategy<Value = FromAgent> {
         )
             .prop_map(|(id, code, signal)| FromAgent::Exited { id, code, signal }),
         text().prop_map(|reason| FromAgent::Error { reason }),
+        (vec((any::<u64>(), any::<u32>()), 0..4), any::<u64>()).prop_map(
+            |(held, dropped_lines)| FromAgent::Claimed {
+                processes: held.into_iter().map(|(id, pid)| Held { id, pid }).collect(),
+                dropped_lines,
+            }
+        ),
     ]
 }
 

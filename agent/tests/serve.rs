@@ -10,7 +10,9 @@ mod support;
 use std::time::Duration;
 
 use hvd_agent::auth::{CONTEXT, Handshake, Nonce, Role, Tag};
-use hvd_agent::{AgentError, Events, FromAgent, Limits, Requests, Stream, ToAgent, connect, serve};
+use hvd_agent::{
+    AgentError, Events, FromAgent, Held, Limits, Requests, Stream, ToAgent, connect, serve,
+};
 use hvd_rendezvous::{decode_line, encode_line};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
@@ -736,5 +738,206 @@ async fn both_ends_of_a_connection_keep_it_alive() {
             when.is_some_and(|s| s > 20.0 && s <= 30.0),
             "the {end}'s end has no 30 s keepalive timer: {when:?}"
         );
+    }
+}
+
+/// Claims `job` with `grace_ms`; returns the processes handed over and the lines dropped.
+async fn claim(rq: &mut Requests, ev: &mut Events, job: &str, grace_ms: u64) -> (Vec<Held>, u64) {
+    rq.send(&ToAgent::Claim {
+        job: job.into(),
+        grace_ms,
+    })
+    .await
+    .unwrap();
+    match next(ev).await {
+        FromAgent::Claimed {
+            processes,
+            dropped_lines,
+        } => (processes, dropped_lines),
+        other => panic!("expected claimed, got {other:?}"),
+    }
+}
+
+/// A driver that claimed its job goes away: its processes run on, what they write is kept,
+/// and the next connection that claims the job gets them, the lines written meanwhile and,
+/// for one that ended meanwhile, its exit; it can stop them as its own.
+#[tokio::test]
+async fn a_claimed_job_outlives_its_driver_and_goes_to_the_next_claim() {
+    let (addr, _stop) = agent().await;
+    let (mut ev, mut rq) = connect(&addr, SECRET, T).await.unwrap();
+    assert_eq!(claim(&mut rq, &mut ev, "jobs/a", 10_000).await, (vec![], 0));
+    start(
+        &mut rq,
+        7,
+        "i=0; while true; do i=$((i+1)); echo $i; sleep 0.02; done",
+        &[],
+    )
+    .await;
+    let pid = started(&mut ev, 7).await;
+    start(&mut rq, 8, "sleep 0.3; echo last words; exit 3", &[]).await;
+    started(&mut ev, 8).await;
+    let mut last = 0u64;
+    while last < 3 {
+        if let FromAgent::Output { id: 7, line, .. } = next(&mut ev).await {
+            last = line.parse().unwrap();
+        }
+    }
+    drop((ev, rq));
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(alive(pid as i32), "the process did not outlive its driver");
+    // Another job's claim gets nothing of this one.
+    let (mut ev3, mut rq3) = connect(&addr, SECRET, T).await.unwrap();
+    assert_eq!(claim(&mut rq3, &mut ev3, "jobs/b", 1000).await, (vec![], 0));
+    let (mut ev2, mut rq2) = connect(&addr, SECRET, T).await.unwrap();
+    let (held, dropped) = claim(&mut rq2, &mut ev2, "jobs/a", 10_000).await;
+    assert_eq!(dropped, 0);
+    assert_eq!(
+        held,
+        vec![
+            Held { id: 7, pid },
+            Held {
+                id: 8,
+                pid: held[1].pid
+            }
+        ]
+    );
+    // Every line the counter wrote while no driver was there, in order, then live ones; and
+    // the exit of the one that ended meanwhile, after its last words.
+    let (mut next_n, mut words, mut exit8) = (None::<u64>, false, None);
+    while next_n.is_none_or(|n| n < 60) || exit8.is_none() {
+        match next(&mut ev2).await {
+            FromAgent::Output { id: 7, line, .. } => {
+                let n: u64 = line.parse().unwrap();
+                if let Some(want) = next_n {
+                    assert_eq!(n, want, "a line was lost or repeated");
+                } else {
+                    assert!(
+                        n <= last + 1,
+                        "lines before the claim were lost: {last} -> {n}"
+                    );
+                }
+                next_n = Some(n + 1);
+            }
+            FromAgent::Output { id: 8, line, .. } => words = line == "last words",
+            FromAgent::Exited { id: 8, code, .. } => exit8 = Some(code),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(
+        words,
+        "the last words of the process that ended meanwhile were lost"
+    );
+    assert_eq!(exit8, Some(Some(3)));
+    rq2.send(&ToAgent::Stop { id: 7, grace_ms: 0 })
+        .await
+        .unwrap();
+    loop {
+        match next(&mut ev2).await {
+            FromAgent::Exited { id: 7, signal, .. } => {
+                assert_eq!(signal, Some(9));
+                break;
+            }
+            FromAgent::Output { id: 7, .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+/// Nobody claims the job within its grace: its processes are stopped then, not before.
+#[tokio::test]
+async fn a_claimed_job_nobody_takes_over_is_stopped_after_its_grace() {
+    let (addr, _stop) = agent().await;
+    let (mut ev, mut rq) = connect(&addr, SECRET, T).await.unwrap();
+    claim(&mut rq, &mut ev, "jobs/grace", 800).await;
+    start(&mut rq, 1, "exec sleep 30", &[]).await;
+    let pid = started(&mut ev, 1).await as i32;
+    let gone = std::time::Instant::now();
+    drop((ev, rq));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(alive(pid), "stopped before the grace ended");
+    assert!(
+        gone_within(pid, Duration::from_secs(5)).await,
+        "still running after the grace"
+    );
+    let took = gone.elapsed();
+    assert!(took >= Duration::from_millis(800), "{took:?}");
+    // A claim after the grace finds nothing.
+    let (mut ev2, mut rq2) = connect(&addr, SECRET, T).await.unwrap();
+    assert_eq!(
+        claim(&mut rq2, &mut ev2, "jobs/grace", 800).await,
+        (vec![], 0)
+    );
+}
+
+/// While no driver is connected the agent keeps a bounded amount of output: the oldest lines
+/// go first and the count of those dropped comes with the claim; exits are always kept.
+#[tokio::test]
+async fn output_kept_for_a_missing_driver_is_bounded() {
+    let (addr, _stop) = agent().await;
+    let (mut ev, mut rq) = connect(&addr, SECRET, T).await.unwrap();
+    claim(&mut rq, &mut ev, "jobs/flood", 30_000).await;
+    start(&mut rq, 1, "sleep 0.3; seq 1 1000000; echo done", &[]).await;
+    started(&mut ev, 1).await;
+    drop((ev, rq));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (mut ev2, mut rq2) = connect(&addr, SECRET, T).await.unwrap();
+    let (_, dropped) = claim(&mut rq2, &mut ev2, "jobs/flood", 30_000).await;
+    let (out, _, exit) = run_to_exit(&mut ev2, 1).await;
+    assert_eq!(exit, (Some(0), None));
+    assert_eq!(out.last().map(String::as_str), Some("done"));
+    let kept: usize = out.iter().map(String::len).sum();
+    assert!(dropped > 0, "nothing dropped of 6.9 MB");
+    assert!(kept <= 4 * 1024 * 1024, "kept {kept} bytes");
+    assert_eq!(
+        dropped as usize + out.len(),
+        1_000_001,
+        "lines neither kept nor counted"
+    );
+    // The kept lines are the newest, in order.
+    let first: usize = out[0].parse().unwrap();
+    assert_eq!(first as u64, dropped + 1);
+}
+
+/// A new driver claims a job whose old connection is still open (its host vanished and the
+/// agent has not noticed yet): the old connection lets go and the new one gets the processes.
+#[tokio::test]
+async fn a_second_claim_takes_the_job_from_a_connection_still_open() {
+    let (addr, _stop) = agent().await;
+    let (mut ev, mut rq) = connect(&addr, SECRET, T).await.unwrap();
+    claim(&mut rq, &mut ev, "jobs/kick", 10_000).await;
+    start(&mut rq, 4, "exec sleep 30", &[]).await;
+    let pid = started(&mut ev, 4).await;
+    let (mut ev2, mut rq2) = connect(&addr, SECRET, T).await.unwrap();
+    let (held, _) = claim(&mut rq2, &mut ev2, "jobs/kick", 10_000).await;
+    assert_eq!(held, vec![Held { id: 4, pid }]);
+    // The old connection is closed by the agent.
+    let closed = tokio::time::timeout(T, async {
+        loop {
+            match ev.next().await {
+                Ok(None) | Err(_) => return,
+                Ok(Some(_)) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the old connection stayed open");
+    assert!(alive(pid as i32));
+    rq2.send(&ToAgent::Stop { id: 4, grace_ms: 0 })
+        .await
+        .unwrap();
+    assert_eq!(run_to_exit(&mut ev2, 4).await.2, (None, Some(9)));
+    // A claim must come first, and once.
+    let (mut ev3, mut rq3) = connect(&addr, SECRET, T).await.unwrap();
+    start(&mut rq3, 1, "exec sleep 30", &[]).await;
+    started(&mut ev3, 1).await;
+    rq3.send(&ToAgent::Claim {
+        job: "jobs/late".into(),
+        grace_ms: 1,
+    })
+    .await
+    .unwrap();
+    match next(&mut ev3).await {
+        FromAgent::Error { reason } => assert!(reason.contains("before"), "{reason}"),
+        other => panic!("{other:?}"),
     }
 }

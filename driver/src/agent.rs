@@ -7,6 +7,10 @@
 //! sent while a message is half received never cuts it; each worker's output is written to its
 //! relay by a task of its own, so a relay that falls behind never holds up another worker's
 //! start, stop or exit.
+//!
+//! A driver with a state store claims its job on every agent connection ([`Claim`]): the agents
+//! keep its workers running for `--driver-grace` if it dies, and hand them, with what they wrote
+//! meanwhile, to the driver that takes the job over, which gets them as [`Handed`] workers.
 
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
@@ -69,7 +73,24 @@ pub struct Remote {
     tx: mpsc::Sender<Cmd>,
 }
 
+/// What a driver with a state store says on each agent connection: its job, how long the
+/// agents keep its workers when it is gone, and where the workers an agent hands over go.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// The job's name, the same for every driver of the job (its state store prefix).
+    pub job: String,
+    /// `--driver-grace`.
+    pub grace: Duration,
+    /// Workers a predecessor started that an agent handed to this driver.
+    pub handed: mpsc::UnboundedSender<Handed>,
+}
+
 impl Remote {
+    /// The driver's id of the worker (its worker id).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// Asks the agent to stop the worker: SIGTERM, SIGKILL after `grace` (at once for zero).
     pub fn stop(&self, grace: Duration) {
         match self.tx.try_send(Cmd::Stop { id: self.id, grace }) {
@@ -97,6 +118,8 @@ pub struct Agents {
     port: u16,
     secret: Secret,
     conns: HashMap<String, mpsc::Sender<Cmd>>,
+    /// Set for a job with a state store.
+    pub claim: Option<Claim>,
 }
 
 /// A worker handed to an agent: its handle and the read ends of its stdout and stderr.
@@ -109,7 +132,26 @@ impl Agents {
             port,
             secret: Secret(secret),
             conns: HashMap::new(),
+            claim: None,
         }
+    }
+
+    /// Connects to `host`'s agent (when no connection is open) so that it hands over the
+    /// workers a predecessor of this driver started there.
+    pub fn reclaim(&mut self, host: &str, exits: &mpsc::Sender<Exit>) {
+        if self.conns.get(host).is_some_and(|tx| !tx.is_closed()) {
+            return;
+        }
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let addr = self.addr(host);
+        tokio::spawn(connection(
+            addr,
+            self.secret.clone(),
+            (tx.downgrade(), rx),
+            exits.clone(),
+            self.claim.clone(),
+        ));
+        self.conns.insert(host.to_string(), tx);
     }
 
     /// `host:port` of `host`'s agent.
@@ -163,7 +205,13 @@ impl Agents {
         // Queued before the connection runs: it can't fail between the two.
         tx.try_send(cmd)
             .map_err(|e| format!("queueing a start for the hvd agent at {addr}: {e}"))?;
-        tokio::spawn(connection(addr, self.secret.clone(), rx, exits.clone()));
+        tokio::spawn(connection(
+            addr,
+            self.secret.clone(),
+            (tx.downgrade(), rx),
+            exits.clone(),
+            self.claim.clone(),
+        ));
         self.conns.insert(host.to_string(), tx.clone());
         Ok((Remote { id, tx }, out_r, err_r))
     }
@@ -290,8 +338,9 @@ fn status(code: Option<i32>, signal: Option<i32>) -> ExitStatus {
 async fn connection(
     addr: String,
     secret: Secret,
-    mut rx: mpsc::Receiver<Cmd>,
+    (me, mut rx): (mpsc::WeakSender<Cmd>, mpsc::Receiver<Cmd>),
     exits: mpsc::Sender<Exit>,
+    claim: Option<Claim>,
 ) {
     let (events, mut requests) = match hvd_agent::connect(&addr, &secret.0, CONNECT_TIMEOUT).await {
         Ok(c) => c,
@@ -302,6 +351,17 @@ async fn connection(
         }
     };
     tracing::info!(%addr, "connected to the agent");
+    if let Some(c) = &claim {
+        let req = ToAgent::Claim {
+            job: c.job.clone(),
+            grace_ms: u64::try_from(c.grace.as_millis()).unwrap_or(u64::MAX),
+        };
+        if let Err(e) = requests.send(&req).await {
+            tracing::warn!(%addr, error = %e, "cannot claim the job at the agent");
+            fail_queued(&mut rx, &exits, &e.to_string()).await;
+            return;
+        }
+    }
     let (ev_tx, mut ev_rx) = mpsc::channel(EVENTS);
     // Dropped on every way out: the read half closes with the write half.
     let _reader = AbortOnDrop(tokio::spawn(read_events(events, ev_tx)));
@@ -351,6 +411,22 @@ async fn connection(
                     live.remove(&id);
                     let end = Ended::Status(status(code, signal));
                     let _ = exits.send(Exit { worker: id, end }).await;
+                }
+                Some(Ok(Some(FromAgent::Claimed { processes, dropped_lines }))) => {
+                    if dropped_lines > 0 {
+                        tracing::warn!(%addr, lines = dropped_lines, "the agent dropped output lines while no driver was connected");
+                    }
+                    let (Some(c), Some(tx)) = (&claim, me.upgrade()) else { continue };
+                    for p in processes {
+                        tracing::info!(worker = p.id, pid = p.pid, %addr, "the agent handed over a worker of the previous driver");
+                        let (out_w, out_r) = tokio::io::duplex(PIPE);
+                        let (err_w, err_r) = tokio::io::duplex(PIPE);
+                        let out = Feed::new(out_w, BACKLOG, format!("worker {} stdout at {addr}", p.id));
+                        let err = Feed::new(err_w, BACKLOG, format!("worker {} stderr at {addr}", p.id));
+                        live.insert(p.id, Live { out, err, started: true });
+                        let remote = Remote { id: p.id, tx: tx.clone() };
+                        let _ = c.handed.send((remote, out_r, err_r));
+                    }
                 }
                 Some(Ok(Some(FromAgent::Error { reason }))) => {
                     tracing::warn!(%addr, %reason, "the agent reports an error");

@@ -13,7 +13,7 @@ use std::time::Duration;
 use hvd_rendezvous::{self as rv, SlotInfo};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader, DuplexStream};
 use tokio::process::Command;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
@@ -210,9 +210,10 @@ async fn relay(
     pipe: impl AsyncRead + Unpin,
     log: Option<PathBuf>,
     mut mark: Option<Mark>,
+    append: bool,
 ) {
     let mut lines = BufReader::new(pipe);
-    let resumed = mark.as_ref().is_some_and(|m| m.at > 0);
+    let resumed = append || mark.as_ref().is_some_and(|m| m.at > 0);
     let mut file = match log {
         Some(p) => match tokio::fs::OpenOptions::new()
             .create(true)
@@ -356,7 +357,36 @@ pub fn tail(
         at,
         written: Instant::now(),
     };
-    tokio::spawn(relay(label, stream_name, rx, log, Some(mark)))
+    tokio::spawn(relay(label, stream_name, rx, log, Some(mark), false))
+}
+
+/// Relays the output of a worker an agent handed over from a predecessor, appending to its
+/// log files in `log_dir` (`--output-filename`) when there are any.
+pub fn relay_handed(
+    label: &str,
+    out: DuplexStream,
+    err: DuplexStream,
+    log_dir: Option<PathBuf>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let file = |name: &str| log_dir.as_ref().map(|d| d.join(name));
+    vec![
+        tokio::spawn(relay(
+            label.to_string(),
+            "stdout",
+            out,
+            file("stdout"),
+            None,
+            true,
+        )),
+        tokio::spawn(relay(
+            label.to_string(),
+            "stderr",
+            err,
+            file("stderr"),
+            None,
+            true,
+        )),
+    ]
 }
 
 /// A started worker.
@@ -456,6 +486,7 @@ impl Launcher {
                     out,
                     file("stdout"),
                     None,
+                    false,
                 )),
                 tokio::spawn(relay(
                     label.to_string(),
@@ -463,6 +494,7 @@ impl Launcher {
                     err,
                     file("stderr"),
                     None,
+                    false,
                 )),
             ];
             return Ok(Spawned {
@@ -531,6 +563,7 @@ impl Launcher {
                 out,
                 file("stdout"),
                 None,
+                false,
             )));
         }
         if let Some(err) = child.stderr.take() {
@@ -540,6 +573,7 @@ impl Launcher {
                 err,
                 file("stderr"),
                 None,
+                false,
             )));
         }
         let exits = self.exits.clone();

@@ -187,11 +187,39 @@ impl Driver {
                 }
             }
         }
-        self.adopted.insert(id, ended);
+        // A worker an agent handed over ends by the agent's word, with its real status.
+        if !matches!(self.handles.get(&id), Some(Handle::Agent(_))) {
+            self.adopted.insert(id, ended);
+        }
         self.hosts_of.insert(id, host);
         self.regs.insert(id, reg);
         self.heard.insert(id, Instant::now());
         self.feed(Input::Registered(id));
+    }
+
+    /// A worker of a predecessor that its host's agent kept and handed to this driver: its
+    /// stops now go through the agent and its output and exit come from it.
+    fn handed(&mut self, (remote, out, err): crate::agent::Handed) {
+        let id = remote.id();
+        if !self.core.is_live(id) {
+            tracing::info!(
+                worker = id,
+                "an agent handed over a worker this job no longer has; stopping it"
+            );
+            remote.stop(Duration::ZERO);
+            return;
+        }
+        let log = self
+            .spec
+            .output_dir
+            .as_ref()
+            .map(|d| d.join(format!("worker.{id}")));
+        self.relays
+            .extend(crate::job::relay_handed(&id.to_string(), out, err, log));
+        self.handles.insert(id, Handle::Agent(remote));
+        if let Some(ended) = self.adopted.remove(&id) {
+            ended.store(true, Ordering::SeqCst);
+        }
     }
 
     /// Workers of a predecessor that did not reconnect in time are counted as failed.
@@ -649,6 +677,15 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             .collect();
         launcher.spool = Some(std::env::temp_dir().join(format!("hvd-spool{name}")));
     }
+    // Workers an agent keeps for this job and hands over (with a state store).
+    let (handed_tx, mut handed_rx) = mpsc::unbounded_channel();
+    if let (Some(s), Some(agents)) = (&spec.store, launcher.agents.as_mut()) {
+        agents.claim = Some(crate::agent::Claim {
+            job: s.url.prefix.clone(),
+            grace: s.grace,
+            handed: handed_tx.clone(),
+        });
+    }
     let own_host = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();
@@ -676,6 +713,10 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         for w in d.core.live_workers() {
             if let Some(h) = d.core.worker_host(w) {
                 d.hosts_of.insert(w, h.to_string());
+                let l = &mut d.launcher;
+                if let Some(agents) = l.agents.as_mut() {
+                    agents.reclaim(h, &l.exits);
+                }
             }
             d.awaiting.insert(w, until);
         }
@@ -715,7 +756,9 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             () = sleep_until(missing) => d.give_up_on_missing(),
             Some(input) = disc_rx.recv() => d.feed(input),
             Some(w) = wire_rx.recv() => d.wire(w),
+            Some(h) = handed_rx.recv() => d.handed(h),
             Some(Exit { worker, end }) = exit_rx.recv() => {
+                d.awaiting.remove(&worker);
                 d.handles.remove(&worker);
                 d.regs.remove(&worker);
                 d.heard.remove(&worker);
