@@ -368,6 +368,11 @@ pub fn relay_handed(
     err: DuplexStream,
     log_dir: Option<PathBuf>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
+    if let Some(d) = &log_dir {
+        if let Err(e) = std::fs::create_dir_all(d) {
+            tracing::error!(dir = %d.display(), error = %e, "cannot create the rank's log directory");
+        }
+    }
     let file = |name: &str| log_dir.as_ref().map(|d| d.join(name));
     vec![
         tokio::spawn(relay(

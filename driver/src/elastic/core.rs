@@ -636,6 +636,12 @@ impl Core {
             return;
         };
         let phase = w.phase;
+        if matches!(phase, Phase::Exited | Phase::Finished) {
+            // Its end was already counted (an adopted worker's connection closing and its
+            // agent's report can both say so): a second word changes nothing.
+            tracing::debug!(worker = id, exit = %exit.description, "a worker that ended was reported ended again");
+            return;
+        }
         let host = w.host.clone();
         let kept = w.kept;
         w.phase = if phase == Phase::Running && exit.success {
@@ -1496,6 +1502,30 @@ mod tests {
         // Without a failure, the first round still waits for -np.
         let mut patient = Core::new(cfg(4, 2, 4));
         assert!(started(&patient.handle(secs(0), hosts(&[("a", 2)]))).is_empty());
+    }
+
+    /// A worker whose end is reported twice (an adopted worker's connection closing, then its
+    /// agent's report) counts once: the job still finishes when the last one exits 0.
+    #[test]
+    fn a_worker_reported_ended_twice_counts_once() {
+        let (mut core, ids) = running(cfg(4, 2, 4), &[("a", 2), ("b", 2)]);
+        let mut finished = Vec::new();
+        for (i, &id) in ids.iter().enumerate() {
+            for _ in 0..2 {
+                let a = core.handle(
+                    secs(10 + i as u64),
+                    Input::Exited {
+                        worker: id,
+                        exit: ok(),
+                    },
+                );
+                finished.extend(a.into_iter().filter(|x| matches!(x, Action::Finish { .. })));
+            }
+        }
+        assert!(
+            matches!(&finished[..], [Action::Finish { code: 0, .. }]),
+            "{finished:?}"
+        );
     }
 
     /// A core saved at any point and restored decides exactly as the original from there on:

@@ -167,7 +167,10 @@ impl Driver {
         let host = self.core.worker_host(id).unwrap_or(&reg.host).to_string();
         tracing::info!(worker = id, %host, pid = reg.pid, round = ?reg.resume, "adopted a worker of the previous driver");
         let ended = Arc::new(AtomicBool::new(false));
-        if hosts::is_local(&host, &self.own_host) {
+        // Through agents, a worker is the agent's to hand over (see `handed`), even on this
+        // machine.
+        let by_agent = self.launcher.agents.is_some();
+        if !by_agent && hosts::is_local(&host, &self.own_host) {
             if let Ok(pid) = i32::try_from(reg.pid) {
                 // Started in a process group of its own, as every local worker is.
                 self.handles.insert(id, Handle::Group(pid));
@@ -175,13 +178,18 @@ impl Driver {
             if let Some(dir) = self.launcher.spool.clone() {
                 for name in ["stdout", "stderr"] {
                     let path = crate::job::spool_file(&dir, id, name);
+                    let log = self
+                        .spec
+                        .output_dir
+                        .as_ref()
+                        .map(|d| d.join(format!("worker.{id}")).join(name));
                     if path.exists() {
                         self.relays.push(crate::job::tail(
                             id.to_string(),
                             name,
                             path,
                             Arc::clone(&ended),
-                            None,
+                            log,
                         ));
                     }
                 }
