@@ -6,6 +6,7 @@
 
 use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::core::Message;
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -79,6 +80,10 @@ pub struct ElasticJobSpec {
     /// How long a failed worker's host is kept out of the job.
     #[serde(default)]
     pub blacklist: BlacklistSpec,
+    /// An etcd that keeps the driver's decisions, so that a lost driver pod is replaced and its
+    /// successor adopts the running workers; absent = the job ends with its driver.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_store: Option<StateStoreSpec>,
 }
 
 fn one() -> i32 {
@@ -123,6 +128,164 @@ pub struct BlacklistSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self[0] >= 1 && self[0] <= self[1]").message("blacklist.cooldownRange must be [lo, hi] with 1 <= lo <= hi"))]
     pub cooldown_range: Option<[u64; 2]>,
+}
+
+/// The longest etcd endpoint (`HOST:PORT`): a DNS name of 253 characters and a port.
+pub const MAX_ENDPOINT_LEN: usize = 260;
+/// The most etcd endpoints a job may name.
+pub const MAX_ENDPOINTS: usize = 16;
+/// A `HOST:PORT` etcd endpoint, as RE2 (CEL `matches`): a DNS name, an IPv4 address or a
+/// bracketed IPv6 address, and a port from 1 to 65535.
+pub const ENDPOINT_PATTERN: &str = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])$";
+
+/// Where the job's drivers keep its state (etcd), so that the operator can replace a lost
+/// driver pod while the workers train on.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StateStoreSpec {
+    /// etcd endpoints, `HOST:PORT` each (e.g. `etcd.default.svc:2379`).
+    #[schemars(length(min = 1, max = MAX_ENDPOINTS), inner(length(max = MAX_ENDPOINT_LEN)))]
+    #[x_kube(validation = endpoints_rule())]
+    pub endpoints: Vec<String>,
+    /// The job's keys in etcd; default `hvd/<namespace>/<job name>/<job uid>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    #[x_kube(validation = Rule::new(r"self.matches('^[^\\s]*[^/\\s][^\\s]*$')").message("spec.stateStore.prefix must hold something besides slashes and no whitespace"))]
+    pub prefix: Option<String>,
+    /// Seconds the active driver's lease lives without renewal: how soon a lost driver's
+    /// successor may act.
+    #[serde(default = "default_ttl")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub ttl_seconds: u32,
+    /// Seconds the workers train on with no driver before they give up.
+    #[serde(default = "default_driver_grace")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub driver_grace_seconds: u32,
+    /// Secret (in the job's namespace) with keys `username` and `password` for etcd.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub credentials_secret: Option<String>,
+    /// How many times a lost driver pod is replaced before the job fails.
+    #[serde(default = "default_max_driver_restarts")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub max_driver_restarts: u32,
+}
+
+/// The CEL rule on `endpoints`: every entry matches [`ENDPOINT_PATTERN`]; the message names the
+/// first that does not.
+fn endpoints_rule() -> kube::core::Rule {
+    let re = format!("'{}'", ENDPOINT_PATTERN.replace('\\', "\\\\"));
+    kube::core::Rule::new(format!("self.all(e, e.matches({re}))")).message(Message::Expression(
+        format!(
+            "'spec.stateStore.endpoints: \"' + self.filter(e, !e.matches({re}))[0] + \
+             '\" is not HOST:PORT (a DNS name, IPv4 or [IPv6] address, and a port from 1 to 65535)'"
+        ),
+    ))
+}
+
+fn default_ttl() -> u32 {
+    10
+}
+
+fn default_driver_grace() -> u32 {
+    60
+}
+
+fn default_max_driver_restarts() -> u32 {
+    5
+}
+
+/// A bad field of `spec.stateStore`, named with the value at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateStoreError {
+    /// `endpoints` is empty.
+    #[error("spec.stateStore.endpoints is empty: name at least one etcd HOST:PORT")]
+    NoEndpoints,
+    /// One endpoint is not `HOST:PORT`.
+    #[error("spec.stateStore.endpoints: {endpoint:?} is not HOST:PORT: {why}")]
+    Endpoint {
+        /// The entry at fault.
+        endpoint: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// The prefix is empty or holds whitespace.
+    #[error(
+        "spec.stateStore.prefix {prefix:?} must hold something besides slashes and no whitespace"
+    )]
+    Prefix {
+        /// The prefix at fault.
+        prefix: String,
+    },
+}
+
+/// Checks one `HOST:PORT` endpoint: a host (a bracketed IPv6 address, or a name or IPv4
+/// address without `:`, `/`, `,`, `@` or whitespace) and a port from 1 to 65535.
+///
+/// # Errors
+/// [`StateStoreError::Endpoint`] naming the entry.
+pub fn check_endpoint(endpoint: &str) -> Result<(), StateStoreError> {
+    let bad = |why| StateStoreError::Endpoint {
+        endpoint: endpoint.to_string(),
+        why,
+    };
+    let (host, port) = endpoint.rsplit_once(':').ok_or_else(|| bad("no :PORT"))?;
+    if !matches!(port.parse::<u16>(), Ok(p) if p > 0) || port.starts_with(['+', '0']) {
+        return Err(bad("the port must be a number from 1 to 65535"));
+    }
+    let name = match host.strip_prefix('[') {
+        Some(v6) => {
+            let addr = v6
+                .strip_suffix(']')
+                .ok_or_else(|| bad("an unclosed [IPv6] host"))?;
+            if addr.parse::<std::net::Ipv6Addr>().is_err() {
+                return Err(bad("the bracketed host is not an IPv6 address"));
+            }
+            return Ok(());
+        }
+        None => host,
+    };
+    if name.is_empty() {
+        return Err(bad("no host"));
+    }
+    let ok = |c: char| c.is_ascii_alphanumeric() || c == '.' || c == '-';
+    if !name.chars().all(ok) || name.starts_with(['.', '-']) || name.ends_with(['.', '-']) {
+        return Err(bad(
+            "the host must be a DNS name, an IPv4 address or a bracketed IPv6 address",
+        ));
+    }
+    Ok(())
+}
+
+impl StateStoreSpec {
+    /// The job's key prefix: `prefix`, else `hvd/<namespace>/<job>/<uid>` (the uid keeps a
+    /// job recreated under the same name from taking over a deleted job's record).
+    pub fn prefix_or_default(&self, namespace: &str, job: &str, uid: &str) -> String {
+        match &self.prefix {
+            Some(p) => p.trim_matches('/').to_string(),
+            None => format!("hvd/{namespace}/{job}/{uid}"),
+        }
+    }
+
+    /// The `--state-store` URL: `etcd://<endpoints joined by ,>/<prefix>`.
+    ///
+    /// # Errors
+    /// [`StateStoreError`] naming the bad endpoint or prefix.
+    pub fn url(&self, namespace: &str, job: &str, uid: &str) -> Result<String, StateStoreError> {
+        if self.endpoints.is_empty() {
+            return Err(StateStoreError::NoEndpoints);
+        }
+        for e in &self.endpoints {
+            check_endpoint(e)?;
+        }
+        let prefix = self.prefix_or_default(namespace, job, uid);
+        if prefix.is_empty() || prefix.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(StateStoreError::Prefix {
+                prefix: self.prefix.clone().unwrap_or_default(),
+            });
+        }
+        Ok(format!("etcd://{}/{prefix}", self.endpoints.join(",")))
+    }
 }
 
 /// The job's lifecycle phase.
@@ -180,6 +343,18 @@ pub struct ElasticJobStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// Lost driver pods replaced so far (jobs with a `stateStore`; at most
+    /// `spec.stateStore.maxDriverRestarts`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub driver_restarts: u32,
+    /// The uid of the driver pod last seen (jobs with a `stateStore`): a driver pod created
+    /// while it is set replaces a lost one, and counts in `driverRestarts`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_uid: Option<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// One blacklist entry of the driver and when the operator first saw it.
@@ -233,6 +408,7 @@ mod tests {
             env: vec![],
             discovery: DiscoverySpec::default(),
             blacklist: BlacklistSpec::default(),
+            state_store: None,
         }
     }
 
@@ -305,6 +481,114 @@ mod tests {
                 spec[field]
             );
             assert_eq!(bound("minimum"), Some(1.0), "{field}: {}", spec[field]);
+        }
+    }
+
+    fn with_endpoints(endpoints: &[&str]) -> ElasticJob {
+        let mut job = ElasticJob::new("t", spec(1, 2, None));
+        job.spec.state_store = Some(
+            serde_json::from_value(serde_json::json!({
+                "endpoints": endpoints,
+            }))
+            .unwrap(),
+        );
+        job
+    }
+
+    #[test]
+    fn state_store_defaults() {
+        let s: StateStoreSpec =
+            serde_json::from_value(serde_json::json!({"endpoints": ["etcd:2379"]})).unwrap();
+        assert_eq!(
+            (s.ttl_seconds, s.driver_grace_seconds, s.max_driver_restarts),
+            (10, 60, 5)
+        );
+        assert_eq!(
+            (s.prefix.as_deref(), s.credentials_secret.as_deref()),
+            (None, None)
+        );
+        assert_eq!(
+            s.url("ml", "train", "u1").unwrap(),
+            "etcd://etcd:2379/hvd/ml/train/u1"
+        );
+        let err = serde_json::from_value::<StateStoreSpec>(serde_json::json!({})).unwrap_err();
+        assert!(err.to_string().contains("endpoints"), "{err}");
+    }
+
+    const GOOD: &[&str] = &[
+        "etcd.default.svc:2379",
+        "etcd:1",
+        "10.0.0.1:65535",
+        "[::1]:2379",
+        "[fd00::5]:2379",
+        "etcd-0.etcd-headless.default.svc.cluster.local:2379",
+    ];
+    const BAD: &[&str] = &[
+        "etcd",
+        "etcd:",
+        ":2379",
+        "etcd:0",
+        "etcd:65536",
+        "etcd:02379",
+        "etcd:+1",
+        "http://etcd:2379",
+        "etcd/x:2379",
+        "etcd,b:2379",
+        "-etcd:2379",
+        "etcd.:2379",
+        "et cd:2379",
+        "::1:2379",
+        "[::1:2379",
+        "[not-v6]:2379",
+    ];
+
+    #[test]
+    fn endpoints_are_checked_naming_the_bad_entry() {
+        for e in GOOD {
+            check_endpoint(e).unwrap_or_else(|err| panic!("{e}: {err}"));
+        }
+        for e in BAD {
+            let err = check_endpoint(e).unwrap_err();
+            assert!(err.to_string().contains(&format!("{e:?}")), "{err}");
+        }
+        let mut s: StateStoreSpec =
+            serde_json::from_value(serde_json::json!({"endpoints": []})).unwrap();
+        assert_eq!(s.url("ml", "t", "u"), Err(StateStoreError::NoEndpoints));
+        s.endpoints = vec!["etcd:2379".into()];
+        for bad in ["/", "a b", "//"] {
+            s.prefix = Some(bad.into());
+            assert!(
+                matches!(s.url("ml", "t", "u"), Err(StateStoreError::Prefix { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    /// The CRD's CEL rule agrees with [`check_endpoint`], and its message names the bad entry.
+    #[test]
+    fn the_cel_rule_on_endpoints_agrees_and_names_the_entry() {
+        for e in GOOD {
+            kube::core::cel::validate_cel(&with_endpoints(&["etcd:2379", e]))
+                .unwrap_or_else(|err| panic!("{e}: {err:?}"));
+        }
+        for e in BAD {
+            let err =
+                kube::core::cel::validate_cel(&with_endpoints(&["etcd:2379", e])).expect_err(e);
+            let text = format!("{err:?}");
+            assert!(
+                text.contains(&format!("spec.stateStore.endpoints: \\\"{e}\\\"")),
+                "{e}: {text}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_cel_rule_on_prefix_refuses_slashes_only_and_whitespace() {
+        let mut job = with_endpoints(&["etcd:2379"]);
+        for (prefix, ok) in [("hvd/a", true), ("/x/", true), ("/", false), ("a b", false)] {
+            job.spec.state_store.as_mut().unwrap().prefix = Some(prefix.into());
+            let res = kube::core::cel::validate_cel(&job);
+            assert_eq!(res.is_ok(), ok, "{prefix}: {res:?}");
         }
     }
 }

@@ -18,6 +18,9 @@ pub enum Error {
     /// A status patch could not be serialized.
     #[error("cannot serialize the status: {0}")]
     Json(#[from] serde_json::Error),
+    /// `spec.stateStore` names a bad endpoint or prefix (the CRD's rules were bypassed).
+    #[error(transparent)]
+    StateStore(#[from] crate::crd::StateStoreError),
 }
 
 impl Error {
@@ -29,6 +32,7 @@ impl Error {
             Error::Random(_) => "random",
             Error::Finalizer(_) => "finalizer",
             Error::Json(_) => "json",
+            Error::StateStore(_) => "state_store",
         }
     }
 }

@@ -1,9 +1,11 @@
 //! Test fixtures: jobs and pods as the API server would return them.
 
-use k8s_openapi::api::core::v1::{EnvVar, Pod, PodCondition, PodStatus};
+use k8s_openapi::api::core::v1::{
+    ContainerState, ContainerStateTerminated, ContainerStatus, EnvVar, Pod, PodCondition, PodStatus,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use crate::crd::{BlacklistSpec, DiscoverySpec, ElasticJob, ElasticJobSpec};
+use crate::crd::{BlacklistSpec, DiscoverySpec, ElasticJob, ElasticJobSpec, StateStoreSpec};
 use crate::resources;
 
 /// A job `name` in namespace `ml` with 2 slots per worker, `min..=max` workers and a uid.
@@ -25,6 +27,7 @@ pub fn job(name: &str, min: i32, max: i32) -> ElasticJob {
             }],
             discovery: DiscoverySpec::default(),
             blacklist: BlacklistSpec::default(),
+            state_store: None,
         },
     );
     j.metadata.namespace = Some("ml".into());
@@ -72,5 +75,46 @@ pub fn in_phase(mut p: Pod, phase: &str, reason: Option<&str>) -> Pod {
 /// `p` with a deletion timestamp: being deleted (a spot preemption, a drain).
 pub fn deleting(mut p: Pod) -> Pod {
     p.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+    p
+}
+
+/// `job` with a state store at `etcd.default.svc:2379` and its defaults (TTL 10 s, grace 60 s,
+/// at most `max_restarts` driver replacements).
+pub fn with_store(mut job: ElasticJob, max_restarts: u32) -> ElasticJob {
+    job.spec.state_store = Some(StateStoreSpec {
+        endpoints: vec!["etcd.default.svc:2379".into()],
+        prefix: None,
+        ttl_seconds: 10,
+        driver_grace_seconds: 60,
+        credentials_secret: None,
+        max_driver_restarts: max_restarts,
+    });
+    job
+}
+
+/// `p` Failed, its `driver` container ended with `code`, its reason `reason`, and `message`
+/// as its termination message.
+pub fn exited(mut p: Pod, code: i32, reason: Option<&str>, message: Option<&str>) -> Pod {
+    p = in_phase(p, "Failed", None);
+    let st = p.status.get_or_insert_with(Default::default);
+    st.container_statuses = Some(vec![ContainerStatus {
+        name: "driver".into(),
+        state: Some(ContainerState {
+            terminated: Some(ContainerStateTerminated {
+                exit_code: code,
+                reason: reason.map(Into::into),
+                message: message.map(Into::into),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }]);
+    p
+}
+
+/// `p` with uid `uid`, as the API server gives every pod.
+pub fn with_uid(mut p: Pod, uid: &str) -> Pod {
+    p.metadata.uid = Some(uid.into());
     p
 }

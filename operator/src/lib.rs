@@ -4,13 +4,16 @@
 //! - [`crd`]: the `ElasticJob` types (`hvd.dev/v1alpha1`), from which `crdgen` prints the CRD.
 //! - [`resources`]: pure builders of the objects a job owns (driver and worker pods, the
 //!   headless Service, the Secret, the driver's ServiceAccount, Role and RoleBinding).
-//! - [`plan`]: the decisions, as pure functions of the observed pods and driver status.
+//! - [`plan`]: the decisions, as pure functions of the observed pods and driver status;
+//!   `driver_fate` decides what becomes of the driver pod (replaced when a job with a state
+//!   store loses it).
 //! - [`driver_status`]: the driver's `GET /status` report and a minimal client for it.
 //! - [`reconcile`]: the kube-rs controller that observes, plans, applies and reports.
 //! - [`leader`]: running the controller only while holding the Lease.
 //! - [`probes`]: the `/healthz` and `/readyz` answers.
 
 pub mod crd;
+mod driver_fate;
 pub mod driver_status;
 mod error;
 pub mod leader;

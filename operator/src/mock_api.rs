@@ -15,7 +15,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::crd::ElasticJob;
-use crate::fixtures::{deleting, driver, in_phase, job, worker};
+use crate::fixtures::{deleting, driver, exited, in_phase, job, with_store, with_uid, worker};
 use crate::reconcile::{Context, FINALIZER, reconcile};
 
 type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
@@ -635,4 +635,77 @@ async fn api_errors_fail_the_reconcile() {
         .unwrap_err();
     assert!(err.to_string().contains("forbidden"), "{err}");
     srv.await.unwrap();
+}
+
+/// A job with a state store whose driver pod was OOM-killed: the operator applies the driver's
+/// Service with the rest, deletes the failed pod (its successor takes the name on the next
+/// reconcile), keeps every worker, and says so in an Event and the status.
+#[tokio::test]
+async fn lost_driver_of_a_job_with_a_store_is_replaced_and_its_workers_kept() {
+    let (ctx, server) = setup(1);
+    let mut j = with_finalizer(with_store(job("train", 1, 2), 5));
+    j.status = Some(crate::crd::ElasticJobStatus {
+        driver_uid: Some("uid-d1".into()),
+        ..Default::default()
+    });
+    let oom = exited(driver(&j, "10.0.0.100"), 137, Some("OOMKilled"), None);
+    let pods = vec![
+        with_uid(oom, "uid-d1"),
+        worker(&j, 0, "10.0.0.1"),
+        worker(&j, 1, "10.0.0.2"),
+    ];
+    run_scenario(j, ctx, server, |mut s| async move {
+        s.expect_pod_list("train", &pods).await;
+        s.expect_shared("train").await;
+        let svc = s
+            .expect_apply("/api/v1/namespaces/ml/services/train-driver")
+            .await;
+        assert_eq!(svc["spec"]["selector"]["hvd.dev/role"], "driver");
+        assert_eq!(svc["spec"]["ports"][0]["port"], 7078);
+        s.expect_pod_delete("train-driver").await;
+        let event = s.expect_event("ReplacingDriver").await;
+        assert!(
+            event["note"]
+                .as_str()
+                .unwrap()
+                .contains("exit 137, OOMKilled"),
+            "{event}"
+        );
+        let status = s.expect_status_patch("train").await;
+        assert_eq!(status["phase"], "Pending");
+        assert_eq!(status["conditions"][0]["reason"], "ReplacingDriver");
+    })
+    .await;
+}
+
+/// The next reconcile finds no driver pod: a new one is created and the replacement counted.
+#[tokio::test]
+async fn replacement_driver_is_created_and_counted() {
+    let (ctx, server) = setup(1);
+    let mut j = with_finalizer(with_store(job("train", 1, 1), 5));
+    j.status = Some(crate::crd::ElasticJobStatus {
+        driver_uid: Some("uid-d1".into()),
+        ..Default::default()
+    });
+    let pods = vec![worker(&j, 0, "10.0.0.1")];
+    run_scenario(j, ctx, server, |mut s| async move {
+        s.expect_pod_list("train", &pods).await;
+        s.expect_shared("train").await;
+        s.expect_apply("/api/v1/namespaces/ml/services/train-driver")
+            .await;
+        let seen = s
+            .expect(Method::POST, "/api/v1/namespaces/ml/secrets", Clone::clone)
+            .await;
+        assert!(seen.body["data"]["job"].is_string(), "{}", seen.body);
+        let pod = s
+            .expect_apply("/api/v1/namespaces/ml/pods/train-driver")
+            .await;
+        let cmd = pod["spec"]["containers"][0]["command"].to_string();
+        assert!(cmd.contains("--standby"), "{cmd}");
+        s.expect_event("CreatedDriver").await;
+        let status = s.expect_status_patch("train").await;
+        assert_eq!(status["driverRestarts"], 1);
+        assert!(status.get("driverUid").is_none(), "{status}");
+    })
+    .await;
 }

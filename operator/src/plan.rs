@@ -7,6 +7,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::crd::{BlacklistSeen, ElasticJob, ElasticJobStatus, Phase};
+use crate::driver_fate::{DriverFate, driver_record, fate};
 use crate::driver_status::{BlacklistedHost, DriverStatus};
 use crate::resources::{LABEL_ROLE, Names, ROLE_DRIVER, ROLE_WORKER};
 
@@ -16,6 +17,12 @@ pub enum Action {
     /// Create the job's Secret and the driver pod (the ServiceAccount, RBAC and Service are
     /// applied on every reconcile of a running job, apart from the plan).
     CreateDriver,
+    /// Delete the job's failed driver pod so that a new one can take its name (jobs with a
+    /// state store; the workers keep training meanwhile).
+    DeleteDriver {
+        /// How it failed (e.g. `Failed (exit 137, OOMKilled)`).
+        state: String,
+    },
     /// Create worker pod number `index`.
     CreateWorker {
         /// Its index (`<job>-worker-<index>`).
@@ -68,7 +75,7 @@ struct Worker<'a> {
     pod: &'a Pod,
 }
 
-fn phase_of(pod: &Pod) -> &str {
+pub(crate) fn phase_of(pod: &Pod) -> &str {
     pod.status
         .as_ref()
         .and_then(|s| s.phase.as_deref())
@@ -82,7 +89,7 @@ fn is_ready(pod: &Pod) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-fn is_deleting(pod: &Pod) -> bool {
+pub(crate) fn is_deleting(pod: &Pod) -> bool {
     pod.metadata.deletion_timestamp.is_some()
 }
 
@@ -170,22 +177,16 @@ fn is_seen(seen: &BlacklistSeen, entry: &BlacklistedHost) -> bool {
     seen.host == entry.host && seen.until_ms == entry.until_ms
 }
 
+pub use crate::driver_fate::{REASON_REPLACING_DRIVER, REASON_RESTARTS_EXHAUSTED};
+
 /// True when the job is over: its driver pod finished, or its status says so.
 pub fn finished(job: &ElasticJob, pods: &[Pod]) -> bool {
-    Names::of(job).is_ok_and(|names| finished_phase(job, driver_pod(job, &names, pods)).is_some())
-}
-
-/// The phase the driver pod's own phase forces, when it has finished.
-fn finished_phase(job: &ElasticJob, driver: Option<&Pod>) -> Option<Phase> {
-    match driver.map(phase_of) {
-        Some("Succeeded") => Some(Phase::Succeeded),
-        Some("Failed") => Some(Phase::Failed),
-        _ => job
-            .status
-            .as_ref()
-            .map(|s| s.phase)
-            .filter(|p| p.is_terminal()),
-    }
+    Names::of(job).is_ok_and(|names| {
+        matches!(
+            fate(job, driver_pod(job, &names, pods)),
+            DriverFate::Ended { .. }
+        )
+    })
 }
 
 /// What to change so that the job's pods match its spec, given its pods (all pods labelled with
@@ -195,16 +196,19 @@ fn finished_phase(job: &ElasticJob, driver: Option<&Pod>) -> Option<Phase> {
 ///   deleted job of the same name holds the driver's name, nothing is done; worker indices such
 ///   pods hold are skipped.
 /// - The driver (and its Secret) is created when its pod is missing and the job has not
-///   finished.
+///   finished. With a state store, a failed driver pod is deleted to be replaced, and a
+///   missing one recreated, up to `maxDriverRestarts` replacements (see `fate`); the workers
+///   are kept meanwhile.
 /// - Worker pods that failed or were evicted, and those whose host the driver blacklisted, are
 ///   deleted; pods being deleted (a spot preemption) are not counted. A blacklisted pod IP does
 ///   not count against a pod created after the entry was first seen (a recycled IP).
 /// - Live workers are kept at `spec.replicas` clamped to [min, max]: the surplus is deleted
 ///   (not-Ready first, then the highest index) and the shortfall created with the lowest indices
 ///   no pod holds and the driver has not blacklisted.
-/// - Once the driver pod has finished, every worker pod is deleted and nothing is created.
+/// - Once the job is over (its driver pod finished and is not replaced, or its status says
+///   so), every worker pod is deleted and nothing is created.
 ///
-/// Order: create the driver, then deletions, then creations.
+/// Order: delete or create the driver, then deletions, then creations.
 pub fn plan(job: &ElasticJob, pods: &[Pod], driver: Option<&DriverStatus>) -> Vec<Action> {
     let Ok(names) = Names::of(job) else {
         return Vec::new();
@@ -214,21 +218,25 @@ pub fn plan(job: &ElasticJob, pods: &[Pod], driver: Option<&DriverStatus>) -> Ve
     let foreign = foreign_names(job, pods);
     let mut actions = Vec::new();
 
-    if finished_phase(job, driver_pod).is_some() {
-        for w in workers.iter().filter(|w| !is_deleting(w.pod)) {
-            actions.push(Action::DeleteWorker {
-                name: w.name.to_string(),
-                why: DeleteReason::JobFinished,
-            });
-        }
-        return actions;
-    }
-    if driver_pod.is_none() {
-        if foreign.contains(names.driver().as_str()) {
-            // The deleted job's driver pod is still going away; its name is not free yet.
+    match fate(job, driver_pod) {
+        DriverFate::Ended { .. } => {
+            for w in workers.iter().filter(|w| !is_deleting(w.pod)) {
+                actions.push(Action::DeleteWorker {
+                    name: w.name.to_string(),
+                    why: DeleteReason::JobFinished,
+                });
+            }
             return actions;
         }
-        actions.push(Action::CreateDriver);
+        DriverFate::Create { .. } => {
+            if foreign.contains(names.driver().as_str()) {
+                // The deleted job's driver pod is still going away; its name is not free yet.
+                return actions;
+            }
+            actions.push(Action::CreateDriver);
+        }
+        DriverFate::Replace { state } => actions.push(Action::DeleteDriver { state }),
+        DriverFate::Keep => {}
     }
 
     let entries: &[BlacklistedHost] = driver.map_or(&[], |d| &d.blacklisted);
@@ -284,7 +292,7 @@ pub fn plan(job: &ElasticJob, pods: &[Pod], driver: Option<&DriverStatus>) -> Ve
 
 /// The driver's phase name (`Pending`, `Running`, `Rescaling`, `Succeeded`, `Failed`, any
 /// case) as a job phase; an unknown name counts as Running.
-fn driver_phase(s: &DriverStatus) -> Phase {
+pub(crate) fn driver_phase(s: &DriverStatus) -> Phase {
     match s.phase.to_ascii_lowercase().as_str() {
         "rescaling" => Phase::Rescaling,
         "pending" => Phase::Pending,
@@ -354,12 +362,20 @@ pub fn status(
         })
         .count();
     let desired = job.spec.desired_workers();
-    let phase = match (finished_phase(job, driver_pod(job, &names, pods)), driver) {
+    let own_driver = driver_pod(job, &names, pods);
+    let fate = fate(job, own_driver);
+    let ended = match &fate {
+        DriverFate::Ended { phase, .. } => Some(*phase),
+        _ => None,
+    };
+    let phase = match (ended, driver) {
         (Some(done), _) => done,
         (None, None) => Phase::Pending,
         (None, Some(d)) if driver_phase(d).is_terminal() => driver_phase(d),
         (None, Some(d)) => {
-            let changing = actions.iter().any(|a| !matches!(a, Action::CreateDriver));
+            let changing = actions
+                .iter()
+                .any(|a| !matches!(a, Action::CreateDriver | Action::DeleteDriver { .. }));
             if changing || ready != desired {
                 Phase::Rescaling
             } else {
@@ -388,6 +404,8 @@ pub fn status(
                 .find(|p| p.metadata.name.as_deref() == Some(names.driver().as_str()))
         })
         .flatten();
+    let created = actions.iter().any(|a| matches!(a, Action::CreateDriver));
+    let record = driver_record(job, own_driver, &fate, created);
     let (ready_reason, ready_msg) = match squatter {
         Some(p) if p.metadata.deletion_timestamp.is_none() => (
             "DriverNameTaken".to_string(),
@@ -404,10 +422,12 @@ pub fn status(
                 names.driver()
             ),
         ),
-        None => (
-            format!("{phase:?}"),
-            format!("{ready} of {desired} workers ready"),
-        ),
+        None => record.note.unwrap_or_else(|| {
+            (
+                format!("{phase:?}"),
+                format!("{ready} of {desired} workers ready"),
+            )
+        }),
     };
     let conditions = vec![
         condition(
@@ -483,6 +503,8 @@ pub fn status(
         conditions,
         selector: Some(names.worker_selector()),
         observed_generation: generation,
+        driver_restarts: record.restarts,
+        driver_uid: record.uid,
     }
 }
 

@@ -22,7 +22,9 @@ use tracing::{debug, info, warn};
 use crate::crd::ElasticJob;
 use crate::driver_status::{self, DriverStatus};
 use crate::error::Error;
-use crate::plan::{Action, DeleteReason, finished, owned_by, plan, status};
+use crate::plan::{
+    Action, DeleteReason, REASON_RESTARTS_EXHAUSTED, finished, owned_by, plan, status,
+};
 use crate::resources::{
     self, FIELD_MANAGER, LABEL_JOB, LABEL_ROLE, Names, ROLE_DRIVER, STATUS_PORT,
 };
@@ -134,13 +136,17 @@ fn driver_addr(job: &ElasticJob, pods: &[Pod], names: &Names, port: u16) -> Opti
 }
 
 /// Applies the objects a running job needs besides its pods: the driver's ServiceAccount, Role
-/// and RoleBinding and the workers' Service. Applied on every reconcile, so that one removed by
+/// and RoleBinding, the workers' Service, and with a state store the driver's Service. Applied on every reconcile, so that one removed by
 /// hand or by the garbage collection of a deleted job of the same name comes back.
 async fn apply_shared(job: &ElasticJob, ctx: &Context, ns: &str) -> Result<(), Error> {
     ssa::<ServiceAccount>(ctx, ns, &resources::driver_service_account(job)?).await?;
     ssa::<Role>(ctx, ns, &resources::driver_role(job)?).await?;
     ssa::<RoleBinding>(ctx, ns, &resources::driver_role_binding(job)?).await?;
-    ssa::<Service>(ctx, ns, &resources::worker_service(job)?).await
+    ssa::<Service>(ctx, ns, &resources::worker_service(job)?).await?;
+    if job.spec.state_store.is_some() {
+        ssa::<Service>(ctx, ns, &resources::driver_service(job)?).await?;
+    }
+    Ok(())
 }
 
 async fn apply(job: Arc<ElasticJob>, ctx: Arc<Context>) -> Result<Requeue, Error> {
@@ -152,8 +158,10 @@ async fn apply(job: Arc<ElasticJob>, ctx: Arc<Context>) -> Result<Requeue, Error
         .list(&ListParams::default().labels(&names.job_selector()))
         .await?
         .items;
-    if !finished(&job, &pods) {
-        apply_shared(&job, &ctx, &names.namespace).await?;
+    // Pods are made from the spec the job started with; a later edit waits for a new job.
+    let started = resources::as_started(&job, &pods);
+    if !finished(&started, &pods) {
+        apply_shared(&started, &ctx, &names.namespace).await?;
     }
     let driver = match driver_addr(&job, &pods, &names, ctx.status_port) {
         Some(addr) => match driver_status::fetch(addr, ctx.status_timeout).await {
@@ -165,8 +173,6 @@ async fn apply(job: Arc<ElasticJob>, ctx: Arc<Context>) -> Result<Requeue, Error
         },
         None => None,
     };
-    // Pods are made from the spec the job started with; a later edit waits for a new job.
-    let started = resources::as_started(&job, &pods);
     let actions = plan(&started, &pods, driver.as_ref());
     for action in &actions {
         execute(&started, &names, &ctx, action).await?;
@@ -211,7 +217,14 @@ async fn write_status(
             } else {
                 EventType::Normal
             };
-            let note = format!("the driver pod finished: {:?}", new.phase);
+            let exhausted = new
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Ready" && c.reason == REASON_RESTARTS_EXHAUSTED);
+            let note = match exhausted {
+                Some(c) => c.message.clone(),
+                None => format!("the driver pod finished: {:?}", new.phase),
+            };
             let reason = format!("{:?}", new.phase);
             publish(ctx, job, type_, (&reason, "Finish"), note, None).await;
         }
@@ -260,7 +273,8 @@ async fn execute(
             // Created once and never applied again: a new random value would cut off running
             // agents. Its name carries the job's uid, so an existing one is this job's.
             let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
-            let secret = resources::secret(job, &resources::new_secret()?)?;
+            let secret =
+                resources::secret(job, &resources::new_secret()?, &resources::new_secret()?)?;
             match secrets.create(&PostParams::default(), &secret).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(e)) if e.code == 409 => {}
@@ -277,6 +291,29 @@ async fn execute(
                 ("CreatedDriver", "Create"),
                 note,
                 pod,
+            )
+            .await;
+        }
+        Action::DeleteDriver { state } => {
+            let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+            let name = names.driver();
+            match pods.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
+            warn!(job = %names.job, pod = %name, %state, "driver lost; replacing it");
+            let note = format!(
+                "deleted driver pod {name} ({state}); a new driver takes over the job and its \
+                 running workers"
+            );
+            publish(
+                ctx,
+                job,
+                EventType::Warning,
+                ("ReplacingDriver", "Delete"),
+                note,
+                Some(pod_ref(names, &name)),
             )
             .await;
         }

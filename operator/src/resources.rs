@@ -30,6 +30,27 @@ pub const ROLE_DRIVER: &str = "driver";
 pub const AGENT_PORT: u16 = 7077;
 /// Port of the driver's status API (`GET /status`).
 pub const STATUS_PORT: u16 = 8080;
+/// Rendezvous port of a job with a state store: fixed, because the workers of a lost driver
+/// redial the same address to reach its successor.
+pub const RENDEZVOUS_PORT: u16 = 7078;
+/// Environment variable holding the job's secret, the same for every driver of a job with a
+/// state store (`horovodrun` reads it there).
+pub const ENV_JOB_SECRET: &str = "HVD_SECRET";
+/// Environment variable with the etcd user name (from `spec.stateStore.credentialsSecret`).
+pub const ENV_STORE_USERNAME: &str = "HVD_STATE_STORE_USERNAME";
+/// Environment variable with the etcd password (from `spec.stateStore.credentialsSecret`).
+pub const ENV_STORE_PASSWORD: &str = "HVD_STATE_STORE_PASSWORD";
+/// Environment variable naming the host the driver gives its workers for the rendezvous: the
+/// driver Service's DNS name, which outlives the driver pod.
+pub const ENV_RENDEZVOUS_HOST: &str = "HVD_RENDEZVOUS_HOST";
+/// Key of the job's secret ([`ENV_JOB_SECRET`]) in the job's Secret; apart from
+/// [`SECRET_KEY`] so that the training processes, which are given the job's secret, never
+/// learn the agents'.
+pub const JOB_SECRET_KEY: &str = "job";
+/// Key of the etcd user name in `spec.stateStore.credentialsSecret`.
+pub const CREDENTIALS_USERNAME_KEY: &str = "username";
+/// Key of the etcd password in `spec.stateStore.credentialsSecret`.
+pub const CREDENTIALS_PASSWORD_KEY: &str = "password";
 /// Environment variable holding the secret shared by the driver and the agents.
 pub const ENV_AGENT_SECRET: &str = "HVD_AGENT_SECRET";
 /// Key of the shared secret in the job's Secret.
@@ -40,6 +61,8 @@ pub const SECRET_DIR: &str = "/var/run/secrets/hvd.dev";
 pub const SECRET_FILE: &str = "/var/run/secrets/hvd.dev/secret";
 /// Name of the Secret volume in the driver and worker pods.
 const SECRET_VOLUME: &str = "hvd-secret";
+/// Name of the driver pod's container.
+pub const DRIVER_CONTAINER: &str = "driver";
 /// Field manager of every server-side apply the operator makes.
 pub const FIELD_MANAGER: &str = "hvd-operator";
 
@@ -95,6 +118,15 @@ impl Names {
     /// The driver pod, and its ServiceAccount, Role and RoleBinding.
     pub fn driver(&self) -> String {
         format!("{}-driver", self.job)
+    }
+    /// The driver's Service (jobs with a state store): a name for the rendezvous that
+    /// survives the driver pod being replaced.
+    pub fn driver_service(&self) -> String {
+        self.driver()
+    }
+    /// The DNS name of [`Names::driver_service`].
+    pub fn driver_dns(&self) -> String {
+        format!("{}.{}.svc", self.driver_service(), self.namespace)
     }
     /// Worker pod number `index`.
     pub fn worker(&self, index: usize) -> String {
@@ -153,18 +185,25 @@ fn meta(
     })
 }
 
-/// The job's Secret with `secret` (hex) under [`SECRET_KEY`].
+/// The job's Secret with the agents' secret `agents` (hex) under [`SECRET_KEY`] and the job's
+/// secret `job_secret` under [`JOB_SECRET_KEY`].
 ///
 /// # Errors
 /// [`Error::MissingField`] when the job lacks a name, namespace or uid.
-pub fn secret(job: &ElasticJob, secret: &str) -> Result<Secret, Error> {
+pub fn secret(job: &ElasticJob, agents: &str, job_secret: &str) -> Result<Secret, Error> {
     let names = Names::of(job)?;
     Ok(Secret {
         metadata: meta(job, &names, names.secret(), None)?,
-        data: Some(BTreeMap::from([(
-            SECRET_KEY.to_string(),
-            ByteString(secret.as_bytes().to_vec()),
-        )])),
+        data: Some(BTreeMap::from([
+            (
+                SECRET_KEY.to_string(),
+                ByteString(agents.as_bytes().to_vec()),
+            ),
+            (
+                JOB_SECRET_KEY.to_string(),
+                ByteString(job_secret.as_bytes().to_vec()),
+            ),
+        ])),
         type_: Some("Opaque".into()),
         ..Default::default()
     })
@@ -199,6 +238,33 @@ pub fn worker_service(job: &ElasticJob) -> Result<Service, Error> {
             ports: Some(vec![ServicePort {
                 name: Some("agent".into()),
                 port: i32::from(AGENT_PORT),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+}
+
+/// The driver's Service (jobs with a state store): the rendezvous port of whichever driver
+/// pod the job has now, under [`Names::driver_dns`]. Not-ready pods count, so the workers
+/// reach a successor as soon as it listens.
+///
+/// # Errors
+/// [`Error::MissingField`] when the job lacks a name, namespace or uid.
+pub fn driver_service(job: &ElasticJob) -> Result<Service, Error> {
+    let names = Names::of(job)?;
+    let mut selector = labels(&names, Some(ROLE_DRIVER));
+    selector.remove(MANAGED_BY.0);
+    Ok(Service {
+        metadata: meta(job, &names, names.driver_service(), None)?,
+        spec: Some(ServiceSpec {
+            selector: Some(selector),
+            publish_not_ready_addresses: Some(true),
+            ports: Some(vec![ServicePort {
+                name: Some("rendezvous".into()),
+                port: i32::from(RENDEZVOUS_PORT),
+                target_port: Some(IntOrString::Int(i32::from(RENDEZVOUS_PORT))),
                 ..Default::default()
             }]),
             ..Default::default()
@@ -265,20 +331,59 @@ fn user_env(job: &ElasticJob) -> Vec<EnvVar> {
     env
 }
 
-/// The driver's environment: the job's, plus [`ENV_AGENT_SECRET`] from the Secret (`horovodrun`
-/// reads the secret from there).
-fn driver_env(job: &ElasticJob, names: &Names) -> Vec<EnvVar> {
-    let mut env = user_env(job);
-    env.push(EnvVar {
-        name: ENV_AGENT_SECRET.into(),
+/// An environment variable read from key `key` of Secret `secret`.
+fn from_secret(name: &str, secret: &str, key: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
         value_from: Some(EnvVarSource {
             secret_key_ref: Some(SecretKeySelector {
-                name: names.secret(),
-                key: SECRET_KEY.into(),
+                name: secret.into(),
+                key: key.into(),
                 optional: Some(false),
             }),
             ..Default::default()
         }),
+        ..Default::default()
+    }
+}
+
+/// The driver's environment: the job's, plus [`ENV_AGENT_SECRET`] from the Secret (`horovodrun`
+/// reads the secret from there). With a state store also the job's secret
+/// ([`ENV_JOB_SECRET`], the same for every driver of the job), the etcd credentials from
+/// `credentialsSecret`, and the Service name to give the workers ([`ENV_RENDEZVOUS_HOST`]);
+/// the job's own values of these never reach the driver.
+fn driver_env(job: &ElasticJob, names: &Names) -> Vec<EnvVar> {
+    let mut env = user_env(job);
+    let store = job.spec.state_store.as_ref();
+    if store.is_some() {
+        let ours = [
+            ENV_JOB_SECRET,
+            ENV_STORE_USERNAME,
+            ENV_STORE_PASSWORD,
+            ENV_RENDEZVOUS_HOST,
+        ];
+        env.retain(|e| !ours.contains(&e.name.as_str()));
+    }
+    env.push(from_secret(ENV_AGENT_SECRET, &names.secret(), SECRET_KEY));
+    let Some(store) = store else {
+        return env;
+    };
+    env.push(from_secret(ENV_JOB_SECRET, &names.secret(), JOB_SECRET_KEY));
+    if let Some(creds) = &store.credentials_secret {
+        env.push(from_secret(
+            ENV_STORE_USERNAME,
+            creds,
+            CREDENTIALS_USERNAME_KEY,
+        ));
+        env.push(from_secret(
+            ENV_STORE_PASSWORD,
+            creds,
+            CREDENTIALS_PASSWORD_KEY,
+        ));
+    }
+    env.push(EnvVar {
+        name: ENV_RENDEZVOUS_HOST.into(),
+        value: Some(names.driver_dns()),
         ..Default::default()
     });
     env
@@ -383,10 +488,14 @@ fn processes(replicas: i32, slots: i32) -> i64 {
     i64::from(replicas.max(1)) * i64::from(slots)
 }
 
-/// The `horovodrun` command line of the driver pod.
+/// The `horovodrun` command line of the driver pod. With a state store it adds
+/// `--state-store etcd://<endpoints>/<prefix> --standby` (a replacement waits while its
+/// predecessor's lease lives, then adopts the workers), the lease TTL, the workers' grace
+/// and the fixed [`RENDEZVOUS_PORT`].
 ///
 /// # Errors
-/// [`Error::MissingField`] when the job lacks a name or namespace.
+/// [`Error::MissingField`] when the job lacks a name or namespace; [`Error::StateStore`]
+/// naming a bad endpoint or prefix.
 pub fn driver_command(job: &ElasticJob) -> Result<Vec<String>, Error> {
     let names = Names::of(job)?;
     let spec = &job.spec;
@@ -432,6 +541,20 @@ pub fn driver_command(job: &ElasticJob) -> Result<Vec<String>, Error> {
             "--blacklist-cooldown-range".to_string(),
             lo.to_string(),
             hi.to_string(),
+        ]);
+    }
+    if let Some(store) = &spec.state_store {
+        let url = store.url(&names.namespace, &names.job, &names.uid)?;
+        cmd.extend([
+            "--state-store".to_string(),
+            url,
+            "--standby".to_string(),
+            "--state-store-ttl".to_string(),
+            store.ttl_seconds.to_string(),
+            "--driver-grace".to_string(),
+            store.driver_grace_seconds.to_string(),
+            "--rendezvous-port".to_string(),
+            RENDEZVOUS_PORT.to_string(),
         ]);
     }
     cmd.push("--".into());
@@ -502,8 +625,18 @@ fn spec_record(job: &ElasticJob) -> Result<(String, String), Error> {
     ))
 }
 
+/// The driver's container ports: status, and the rendezvous with a state store.
+fn driver_ports(job: &ElasticJob) -> Vec<ContainerPort> {
+    let mut ports = vec![port("status", STATUS_PORT)];
+    if job.spec.state_store.is_some() {
+        ports.push(port("rendezvous", RENDEZVOUS_PORT));
+    }
+    ports
+}
+
 /// The driver pod: `horovodrun` with Kubernetes discovery of the job's workers, under the
-/// driver ServiceAccount (which may only read pods). It never restarts: its exit code is the job's.
+/// driver ServiceAccount (which may only read pods). It never restarts in place: without a
+/// state store its exit code is the job's; with one, the operator replaces a lost one.
 /// It records the spec it was made from ([`ANNOTATION_SPEC`]).
 ///
 /// # Errors
@@ -519,10 +652,10 @@ pub fn driver_pod(job: &ElasticJob) -> Result<Pod, Error> {
             service_account_name: Some(names.driver()),
             restart_policy: Some("Never".into()),
             containers: vec![Container {
-                name: "driver".into(),
+                name: DRIVER_CONTAINER.into(),
                 image: Some(job.spec.image.clone()),
                 command: Some(driver_command(job)?),
-                ports: Some(vec![port("status", STATUS_PORT)]),
+                ports: Some(driver_ports(job)),
                 env: Some(driver_env(job, &names)),
                 readiness_probe: Some(tcp_probe(STATUS_PORT)),
                 volume_mounts: Some(vec![secret_mount()]),
@@ -806,13 +939,15 @@ mod tests {
         assert_eq!(a.len(), 64);
         assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
         assert_ne!(a, b);
-        let s = secret(&job("train", 1, 1), &a).unwrap();
-        assert_eq!(s.data.unwrap()[SECRET_KEY].0, a.as_bytes());
+        let s = secret(&job("train", 1, 1), &a, &b).unwrap();
+        let data = s.data.unwrap();
+        assert_eq!(data[SECRET_KEY].0, a.as_bytes());
+        assert_eq!(data[JOB_SECRET_KEY].0, b.as_bytes());
         // A job recreated under the same name never shares the deleted job's Secret.
         let mut again = job("train", 1, 1);
         again.metadata.uid = Some("uid-new".into());
         assert_eq!(
-            secret(&again, &a).unwrap().metadata.name.as_deref(),
+            secret(&again, &a, &b).unwrap().metadata.name.as_deref(),
             Some("train-secret-uid-new")
         );
     }
@@ -823,5 +958,136 @@ mod tests {
         j.metadata.uid = None;
         let err = worker_pod(&j, 0).unwrap_err();
         assert!(err.to_string().contains("metadata.uid"), "{err}");
+    }
+
+    fn env_of(p: &Pod) -> Vec<EnvVar> {
+        p.spec.as_ref().unwrap().containers[0].env.clone().unwrap()
+    }
+
+    /// The Secret and key an environment variable is read from.
+    fn secret_ref(env: &[EnvVar], name: &str) -> Option<(String, String)> {
+        let r = env
+            .iter()
+            .find(|e| e.name == name)?
+            .value_from
+            .as_ref()?
+            .secret_key_ref
+            .as_ref()?;
+        Some((r.name.clone(), r.key.clone()))
+    }
+
+    #[test]
+    fn driver_with_a_store_gets_the_store_flags_a_fixed_port_and_the_job_secret() {
+        let mut j = crate::fixtures::with_store(job("train", 2, 4), 5);
+        let cmd = driver_command(&j).unwrap().join(" ");
+        assert!(
+            cmd.ends_with(
+                "--state-store etcd://etcd.default.svc:2379/hvd/ml/train/uid-train --standby \
+                 --state-store-ttl 10 --driver-grace 60 --rendezvous-port 7078 -- python train.py"
+            ),
+            "{cmd}"
+        );
+        let store = j.spec.state_store.as_mut().unwrap();
+        store.endpoints = vec!["10.0.0.5:2379".into(), "[fd00::5]:2379".into()];
+        store.prefix = Some("/team-a/train/".into());
+        store.ttl_seconds = 3;
+        store.driver_grace_seconds = 120;
+        store.credentials_secret = Some("etcd-auth".into());
+        let cmd = driver_command(&j).unwrap().join(" ");
+        assert!(
+            cmd.contains(
+                "--state-store etcd://10.0.0.5:2379,[fd00::5]:2379/team-a/train --standby \
+                 --state-store-ttl 3 --driver-grace 120"
+            ),
+            "{cmd}"
+        );
+
+        j.spec.env.push(EnvVar {
+            name: ENV_JOB_SECRET.into(),
+            value: Some("guessable".into()),
+            ..Default::default()
+        });
+        let pod = driver_pod(&j).unwrap();
+        let env = env_of(&pod);
+        let names = Names::of(&j).unwrap();
+        assert_eq!(
+            secret_ref(&env, ENV_JOB_SECRET),
+            Some((names.secret(), JOB_SECRET_KEY.into()))
+        );
+        assert_eq!(
+            env.iter().filter(|e| e.name == ENV_JOB_SECRET).count(),
+            1,
+            "the job's own HVD_SECRET never reaches the driver"
+        );
+        assert_eq!(
+            secret_ref(&env, ENV_AGENT_SECRET),
+            Some((names.secret(), SECRET_KEY.into()))
+        );
+        assert_eq!(
+            secret_ref(&env, ENV_STORE_USERNAME),
+            Some(("etcd-auth".into(), "username".into()))
+        );
+        assert_eq!(
+            secret_ref(&env, ENV_STORE_PASSWORD),
+            Some(("etcd-auth".into(), "password".into()))
+        );
+        let host = env.iter().find(|e| e.name == ENV_RENDEZVOUS_HOST).unwrap();
+        assert_eq!(host.value.as_deref(), Some("train-driver.ml.svc"));
+        let ports = pod.spec.unwrap().containers[0].ports.clone().unwrap();
+        assert!(ports.iter().any(|p| p.container_port == 7078));
+    }
+
+    #[test]
+    fn driver_without_a_store_is_as_before() {
+        let j = job("train", 2, 4);
+        let cmd = driver_command(&j).unwrap().join(" ");
+        for flag in ["--state-store", "--standby", "--rendezvous-port"] {
+            assert!(!cmd.contains(flag), "{cmd}");
+        }
+        let pod = driver_pod(&j).unwrap();
+        let env = env_of(&pod);
+        for name in [ENV_JOB_SECRET, ENV_STORE_USERNAME, ENV_RENDEZVOUS_HOST] {
+            assert!(env.iter().all(|e| e.name != name), "{name}");
+        }
+        assert_eq!(
+            pod.spec.unwrap().containers[0]
+                .ports
+                .as_ref()
+                .unwrap()
+                .len(),
+            1
+        );
+        // Without credentials, no credential variables.
+        let j = crate::fixtures::with_store(j, 5);
+        let env = env_of(&driver_pod(&j).unwrap());
+        assert!(env.iter().all(|e| e.name != ENV_STORE_PASSWORD));
+    }
+
+    #[test]
+    fn a_bad_endpoint_is_named() {
+        let mut j = crate::fixtures::with_store(job("train", 1, 1), 5);
+        j.spec.state_store.as_mut().unwrap().endpoints =
+            vec!["etcd:2379".into(), "etcd-1/2379".into()];
+        let err = driver_pod(&j).unwrap_err();
+        assert!(matches!(err, Error::StateStore(_)), "{err}");
+        assert!(err.to_string().contains("\"etcd-1/2379\""), "{err}");
+    }
+
+    #[test]
+    fn driver_service_selects_the_driver_pod_on_the_rendezvous_port() {
+        let j = crate::fixtures::with_store(job("train", 1, 1), 5);
+        let s = driver_service(&j).unwrap();
+        assert_eq!(s.metadata.name.as_deref(), Some("train-driver"));
+        let spec = s.spec.unwrap();
+        assert_eq!(spec.cluster_ip, None, "a stable virtual IP, not headless");
+        assert_eq!(spec.publish_not_ready_addresses, Some(true));
+        let sel = spec.selector.unwrap();
+        assert_eq!(sel[LABEL_ROLE], ROLE_DRIVER);
+        assert_eq!(sel[LABEL_JOB], "train");
+        let port = &spec.ports.unwrap()[0];
+        assert_eq!(port.port, i32::from(RENDEZVOUS_PORT));
+        // The driver pod carries what the selector asks for.
+        let labels = driver_pod(&j).unwrap().metadata.labels.unwrap();
+        assert!(sel.iter().all(|(k, v)| labels.get(k) == Some(v)));
     }
 }

@@ -149,6 +149,7 @@ async fn operator_creates_scales_replaces_and_cleans_up() {
             blacklist: BlacklistSpec {
                 cooldown_range: Some([5, 30]),
             },
+            state_store: None,
         },
     );
     jobs.create(&PostParams::default(), &job).await.unwrap();
