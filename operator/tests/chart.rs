@@ -1118,10 +1118,15 @@ fn notes_say_how_to_submit_and_watch_a_job() {
 
 // === the CRD and the example job ===
 
-/// Runs the CRD checker; returns its `(kind, path, rest...)` rows.
+/// Runs the CRD checker on the example job; returns its `(kind, path, rest...)` rows.
 fn crd_check(extra: &[&str]) -> Vec<Vec<String>> {
+    crd_check_job(&example_job(), extra)
+}
+
+/// Runs the CRD checker on the job in `example`, edited by `extra`.
+fn crd_check_job(example: &Path, extra: &[&str]) -> Vec<Vec<String>> {
     let crd = crd_file();
-    let example = example_job();
+    let example = example.to_path_buf();
     let mut args: Vec<&Path> = vec![&crd, &example];
     let extra: Vec<PathBuf> = extra.iter().map(PathBuf::from).collect();
     args.extend(extra.iter().map(PathBuf::as_path));
@@ -1184,6 +1189,7 @@ fn crd_is_the_contracted_elastic_job() {
         "env",
         "discovery",
         "blacklist",
+        "stateStore",
     ] {
         assert!(
             crd.fields
@@ -1222,6 +1228,40 @@ fn example_job_is_valid_against_the_crd() {
     assert_eq!(job.json(".spec.maxReplicas"), Some("8"));
     assert_eq!(job.json(".spec.replicas"), Some("4"));
     assert_eq!(job.json(".spec.slotsPerWorker"), Some("1"));
+}
+
+/// `examples/k8s/elasticjob-ha.yaml` (a job with a state store) passes the CRD's schema; its
+/// CEL rules are evaluated in `tests/example_job.rs`.
+#[test]
+fn state_store_example_is_valid_against_the_crd() {
+    let ha = workspace_root().join("examples/k8s/elasticjob-ha.yaml");
+    let rows = crd_check_job(&ha, &[]);
+    assert!(rows_of(&rows, "schema").is_empty(), "{rows:?}");
+    assert_eq!(min_max_rule(&rows)[2], "ok");
+    for (edit, path, word) in [
+        (
+            &["--set", "spec.stateStore.ttlSeconds=0"][..],
+            "spec.stateStore.ttlSeconds",
+            "minimum",
+        ),
+        (
+            &["--set", "spec.stateStore.endpoints=[]"][..],
+            "spec.stateStore.endpoints",
+            "",
+        ),
+        (
+            &["--del", "spec.stateStore.endpoints"][..],
+            "spec.stateStore",
+            "endpoints",
+        ),
+    ] {
+        let rows = crd_check_job(&ha, edit);
+        let errors = rows_of(&rows, "schema");
+        assert!(
+            errors.iter().any(|e| e[1] == path && e[2].contains(word)),
+            "{edit:?} not rejected at {path} ({word}): {rows:?}"
+        );
+    }
 }
 
 #[test]
