@@ -300,7 +300,7 @@ pub enum Phase {
     Rescaling,
     /// The driver exited 0.
     Succeeded,
-    /// The driver exited non-zero.
+    /// The driver exited non-zero, or (with a state store) was lost more often than allowed.
     Failed,
 }
 
