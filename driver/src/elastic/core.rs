@@ -351,6 +351,13 @@ impl Core {
         Ok(core)
     }
 
+    /// Starts numbering new workers `gap` past the last one: a driver taking over from a
+    /// record gives none of its workers the id of one its predecessor started after the record
+    /// was last written (such a worker is then refused as a stranger, never mistaken for one).
+    pub fn skip_worker_ids(&mut self, gap: WorkerId) {
+        self.next_worker = self.next_worker.saturating_add(gap);
+    }
+
     /// Whether the job is over.
     pub fn finished(&self) -> bool {
         self.finished
@@ -1502,6 +1509,33 @@ mod tests {
         // Without a failure, the first round still waits for -np.
         let mut patient = Core::new(cfg(4, 2, 4));
         assert!(started(&patient.handle(secs(0), hosts(&[("a", 2)]))).is_empty());
+    }
+
+    /// A driver taking over numbers its new workers past the gap, never reusing the id of a
+    /// worker its predecessor may have started unrecorded.
+    #[test]
+    fn a_core_taking_over_numbers_new_workers_past_the_gap() {
+        let (core, ids) = running(cfg(2, 2, 4), &[("a", 2)]);
+        let mut c = Core::restore(cfg(2, 2, 4), core.save().unwrap()).unwrap();
+        c.skip_worker_ids(1000);
+        let mut started = Vec::new();
+        for (t, input) in [
+            (5, hosts(&[("a", 2), ("b", 2)])),
+            (10, Input::Tick),
+            (20, Input::Tick),
+        ] {
+            started.extend(
+                c.handle(secs(t), input)
+                    .into_iter()
+                    .filter_map(|x| match x {
+                        Action::Start { worker, .. } => Some(worker),
+                        _ => None,
+                    }),
+            );
+        }
+        let last = ids.iter().max().copied().unwrap();
+        assert_eq!(started.len(), 2, "{started:?}");
+        assert!(started.iter().all(|&w| w > last + 1000), "{started:?}");
     }
 
     /// A worker whose end is reported twice (an adopted worker's connection closing, then its

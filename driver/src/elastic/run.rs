@@ -600,6 +600,10 @@ async fn poll(source: Source, interval: Duration, tx: mpsc::Sender<Input>) {
     }
 }
 
+/// Worker ids a driver taking over skips: more than a predecessor can start between two of
+/// its record's writes.
+const UNRECORDED_IDS: u64 = 1000;
+
 /// Runs an elastic job to its end.
 ///
 /// # Errors
@@ -635,9 +639,10 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let (core, t0, epoch) = match (&record, &control) {
         (Some(r), Some(c)) => {
-            let core = Core::restore(spec.core.clone(), r.core.clone()).map_err(|e| {
+            let mut core = Core::restore(spec.core.clone(), r.core.clone()).map_err(|e| {
                 anyhow::anyhow!("the job's record holds no core this driver reads: {e}")
             })?;
+            core.skip_worker_ids(UNRECORDED_IDS);
             let epoch = c.started();
             let age = SystemTime::now().duration_since(epoch).unwrap_or_default();
             let t0 = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
