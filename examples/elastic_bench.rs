@@ -349,7 +349,8 @@ impl Job {
 
 impl Drop for Job {
     fn drop(&mut self) {
-        // SIGTERM first: a driver with a state store leaves its workers behind on SIGKILL.
+        // SIGINT first: a driver with a state store leaves its workers behind on SIGKILL, and
+        // hands them to a successor on SIGTERM.
         stop(&mut self.child);
         if let Some(mut s) = self.standby.take() {
             stop(&mut s.child);
@@ -358,14 +359,14 @@ impl Drop for Job {
     }
 }
 
-/// SIGTERM, a few seconds to stop its workers, then SIGKILL.
+/// SIGINT (which stops a job, store or not), a few seconds to stop its workers, then SIGKILL.
 fn stop(c: &mut Child) {
     if let Ok(Some(_)) = c.try_wait() {
         return;
     }
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(c.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
+        nix::sys::signal::Signal::SIGINT,
     );
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {

@@ -282,48 +282,28 @@ impl Args {
     }
 }
 
-/// Flags that take a value as the next word (Horovod's spellings included).
-const VALUE_FLAGS: &[&str] = &[
-    "-np",
-    "--num-proc",
-    "-H",
-    "--hosts",
-    "--hostfile",
-    "-p",
-    "--ssh-port",
-    "-i",
-    "--ssh-identity-file",
-    "--output-filename",
-    "--start-timeout",
-    "--network-interface",
-    "--min-np",
-    "--min-num-proc",
-    "--max-np",
-    "--max-num-proc",
-    "--host-discovery-script",
-    "--slots",
-    "--slots-per-host",
-    "--elastic-timeout",
-    "--reset-limit",
-    "--heartbeat-timeout",
-    "--discovery-interval",
-    "--discovery-timeout",
-    "--timeline-filename",
-    "--cycle-time-ms",
-    "--fusion-threshold-mb",
-    "--cache-capacity",
-    "--launcher",
-    "--agent-port",
-    "--status-port",
-    "--discovery",
-    "--selector",
-    "--namespace",
-    "--slots-annotation",
-    "--service",
-];
-
-/// Flags that take two values.
-const PAIR_FLAGS: &[&str] = &["--blacklist-cooldown-range"];
+/// How many words follow `flag` as its values (0 for a switch or an unknown flag), from the
+/// parser's own definitions, so a new flag can't be forgotten here.
+fn values_of(flag: &str) -> usize {
+    use clap::CommandFactory;
+    let cmd = Args::command();
+    let found = cmd.get_arguments().find(|a| {
+        let mut longs = a.get_all_aliases().unwrap_or_default();
+        longs.extend(a.get_long());
+        let mut shorts = a.get_all_short_aliases().unwrap_or_default();
+        shorts.extend(a.get_short());
+        flag.strip_prefix("--").is_some_and(|l| longs.contains(&l))
+            || (flag.len() == 2
+                && flag.starts_with('-')
+                && flag.chars().nth(1).is_some_and(|c| shorts.contains(&c)))
+    });
+    match found {
+        Some(a) if a.get_action().takes_values() => {
+            a.get_num_args().map_or(1, |r| r.min_values().max(1))
+        }
+        _ => 0,
+    }
+}
 
 /// Rewrites Horovod's single-dash long flag `-np` into the form the parser knows. The rewrite
 /// stops where the training command starts, so `./train -np 3` reaches the program untouched.
@@ -341,13 +321,7 @@ pub fn normalize<I: IntoIterator<Item = String>>(argv: I) -> Vec<String> {
             out.push(a);
             break;
         } else {
-            let values = if VALUE_FLAGS.contains(&a.as_str()) {
-                1
-            } else if PAIR_FLAGS.contains(&a.as_str()) {
-                2
-            } else {
-                0
-            };
+            let values = values_of(&a);
             out.push(a);
             for _ in 0..values {
                 out.extend(it.next());
@@ -361,6 +335,58 @@ pub fn normalize<I: IntoIterator<Item = String>>(argv: I) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every flag that takes a value is known to the rewrite, so `-np` after it is still
+    /// Horovod's and the training command starts after the flag's value.
+    #[test]
+    fn every_value_flag_is_known_to_the_np_rewrite() {
+        for f in [
+            "--num-proc",
+            "-H",
+            "--hosts",
+            "--hostfile",
+            "-p",
+            "-i",
+            "--min-np",
+            "--max-num-proc",
+            "--host-discovery-script",
+            "--state-store",
+            "--state-store-ttl",
+            "--driver-grace",
+            "--rendezvous-port",
+            "--agent-port",
+            "--network-interface",
+        ] {
+            assert_eq!(values_of(f), 1, "{f}");
+        }
+        assert_eq!(values_of("--blacklist-cooldown-range"), 2);
+        for f in ["--standby", "-v", "--verbose", "--no-such-flag"] {
+            assert_eq!(values_of(f), 0, "{f}");
+        }
+        let argv = [
+            "horovodrun",
+            "--state-store-ttl",
+            "30",
+            "-np",
+            "2",
+            "train",
+            "-np",
+            "9",
+        ];
+        assert_eq!(
+            normalize(argv.map(String::from)),
+            [
+                "horovodrun",
+                "--state-store-ttl",
+                "30",
+                "--num-proc",
+                "2",
+                "train",
+                "-np",
+                "9"
+            ]
+        );
+    }
 
     fn parse(args: &[&str]) -> Result<Args, clap::Error> {
         let argv = std::iter::once("horovodrun")

@@ -191,11 +191,18 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
     let own = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let rendezvous_host = match &args.network_interface {
-        Some(i) => interface_ip(i)?,
+    let named = std::env::var(ENV_RENDEZVOUS_HOST)
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty());
+    let rendezvous_host = match (&named, &args.network_interface) {
+        // A name that outlives this driver (a Kubernetes Service): its successor's workers
+        // dial the same one.
+        (Some(h), _) => h.clone(),
+        (None, Some(i)) => interface_ip(i)?,
         // A pod's host name resolves only inside the pod: its peers reach it by IP.
-        None if matches!(source, elastic::run::Source::Kubernetes(_)) => own_ip(&own),
-        None => own,
+        (None, None) if matches!(source, elastic::run::Source::Kubernetes(_)) => own_ip(&own),
+        (None, None) => own,
     };
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -285,6 +292,10 @@ fn store_spec(
         args: std::env::args().collect(),
     }))
 }
+
+/// The address remote workers dial the rendezvous at, when this machine's own would not do:
+/// one that outlives the driver, such as a Kubernetes Service in front of the driver pod.
+pub const ENV_RENDEZVOUS_HOST: &str = "HVD_RENDEZVOUS_HOST";
 
 /// How workers are started, from `--launcher`, `--agent-port` and the agent secret (from
 /// `HVD_AGENT_SECRET`, passed in).

@@ -42,14 +42,15 @@ fn store_flags(etcd: &Etcd, prefix: &str, port: u16, extra: &[&str]) -> Vec<Stri
         [
             "--state-store",
             &etcd.url(prefix),
-            "--state-store-ttl",
-            "2",
             "--rendezvous-port",
             &port.to_string(),
         ]
         .iter()
         .map(|s| s.to_string()),
     );
+    if !extra.contains(&"--state-store-ttl") {
+        f.extend(["--state-store-ttl".to_string(), "2".to_string()]);
+    }
     f
 }
 
@@ -610,4 +611,39 @@ fn agents_hand_the_workers_of_a_killed_driver_to_the_standby() {
     for a in &agents {
         assert!(a.log().contains("job claimed"), "{}", a.log());
     }
+}
+
+/// SIGTERM (a drained node, an evicted pod) makes a driver with a store hand the job over:
+/// it writes its record, gives the lease up and exits 75 leaving the workers; the standby
+/// takes over at once, without waiting for the lease to lapse, and finishes the job. SIGINT
+/// still stops a job.
+#[test]
+fn sigterm_hands_the_job_to_the_standby_at_once() {
+    let e = Etcd::start();
+    let counter = ["--steps", "300", "--commit-every", "5", "--step-ms", "20"];
+    let (mut active, standby, prefix, _dir) = active_and_standby(
+        &e,
+        "store-sigterm",
+        &["127.0.0.2:2", "127.0.0.3:2"],
+        &counter,
+        // A lease that would take long to lapse: the handover must not wait for it.
+        &["--state-store-ttl", "30"],
+        &[],
+    );
+    active.wait_for("training at size 4", |l| {
+        l.v["event"] == "step" && l.v["size"] == 4 && l.v["step"].as_u64() >= Some(20)
+    });
+    let termed = Instant::now();
+    signal(active.child.id() as i32, Signal::SIGTERM);
+    standby.wait_stderr("taking over the job");
+    let took = termed.elapsed();
+    println!("standby took over {took:?} after the SIGTERM (ttl 30 s)");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    let status = active.child.wait().unwrap();
+    assert_eq!(status.code(), Some(75), "{}", active.err_tail());
+    let (code, err, lines) = standby.finish();
+    assert_eq!(code, 0, "{err}");
+    let lines = relayed(&mut active, lines);
+    assert_eq!(check_counter(&lines, 300), 4, "{err}");
+    assert!(!spool(&prefix).exists(), "the output spool was left behind");
 }

@@ -200,18 +200,69 @@ impl Control {
     /// The job is over: its record is removed and the leadership given up, so nothing is
     /// left in the store and no standby takes over a finished job.
     pub async fn finish(self) {
-        self.writer.abort();
-        if let Err(e) = self.store.clear(&self.leadership).await {
+        // A write still on its way would land after the removal: let the writer finish.
+        let (store, leadership, _, _) = self.settle().await;
+        if let Err(e) = store.clear(&leadership).await {
             tracing::warn!(error = %e, "could not remove the job's record");
         }
-        match Arc::try_unwrap(self.leadership) {
+        match Arc::try_unwrap(leadership) {
             Ok(l) => {
-                if let Err(e) = self.store.resign(l).await {
+                if let Err(e) = store.resign(l).await {
                     tracing::warn!(error = %e, "could not give the leadership up; it lapses with its lease");
                 }
             }
             Err(_) => tracing::debug!("the leadership is still shared; it lapses with its lease"),
         }
+    }
+}
+
+impl Control {
+    /// Hands the job to a successor (a SIGTERM: a drained node, an evicted pod): writes the
+    /// newest record, then gives the leadership up at once, so a standby takes over without
+    /// waiting for the lease to lapse. The workers are left running for it.
+    ///
+    /// # Errors
+    /// The record cannot be written (etcd unreachable, or the leadership already lost): the
+    /// successor then starts from the record written before.
+    pub async fn hand_over(self) -> anyhow::Result<()> {
+        // The writer writes the newest record and ends; one it could not write (etcd away) is
+        // tried once more here.
+        let (store, leadership, newest, written) = self.settle().await;
+        let saved = match (&newest, written) {
+            (Some(bytes), false) => store.save(&leadership, bytes).await,
+            _ => Ok(()),
+        };
+        if let Ok(l) = Arc::try_unwrap(leadership) {
+            if let Err(e) = store.resign(l).await {
+                tracing::warn!(error = %e, "could not give the leadership up; it lapses with its lease");
+            }
+        }
+        saved.context("writing the job's record before handing it over")
+    }
+}
+
+impl Control {
+    /// Closes the writer's channel and waits (a few seconds at most) for it to write the
+    /// newest record and end. Returns the store, the leadership, the newest record, and
+    /// whether the writer ended by itself (false: it had to be stopped).
+    async fn settle(self) -> (Store, Arc<Leadership>, Option<Vec<u8>>, bool) {
+        let Self {
+            store,
+            leadership,
+            latest,
+            mut writer,
+            ..
+        } = self;
+        let newest = latest.borrow().clone();
+        drop(latest);
+        let ended = match tokio::time::timeout(Duration::from_secs(5), &mut writer).await {
+            Ok(_) => true,
+            Err(_) => {
+                writer.abort();
+                false
+            }
+        };
+        (store, leadership, newest, ended)
     }
 }
 

@@ -552,6 +552,17 @@ impl Driver {
     }
 }
 
+/// SIGTERM stops the job, or, for a driver with a state store, hands it over to a successor
+/// (the signal a drained node or an evicted pod gets); SIGINT always stops the job.
+fn on_sigterm(with_store: bool, interrupted: &mut Option<Signal>, handing_over: &mut bool) {
+    if with_store {
+        tracing::info!("SIGTERM: handing the job over to the next driver; the workers train on");
+        *handing_over = true;
+    } else {
+        *interrupted = Some(Signal::SIGTERM);
+    }
+}
+
 /// Another driver may be acting now: this one does nothing more and exits at once, leaving
 /// its workers running for the driver that adopts them.
 fn step_down(why: &str) -> ! {
@@ -735,10 +746,11 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         }
     }
     let mut interrupted = None;
+    let mut handing_over = false;
     let mut pings = tokio::time::interval(rendezvous::ping_period(d.spec.heartbeat_timeout));
     pings.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let far = Duration::from_secs(3600 * 24 * 365);
-    while !d.core.finished() && interrupted.is_none() {
+    while !d.core.finished() && interrupted.is_none() && !handing_over {
         if let Some(c) = control.as_mut().filter(|c| c.unsure()) {
             // Another driver may be acting: decide nothing until etcd answers. The workers
             // train on; what they say waits in the channels.
@@ -751,7 +763,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
                     Err(why) => step_down(&why),
                 },
                 _ = sigint.recv() => interrupted = Some(Signal::SIGINT),
-                _ = sigterm.recv() => interrupted = Some(Signal::SIGTERM),
+                _ = sigterm.recv() => on_sigterm(control.is_some(), &mut interrupted, &mut handing_over),
             }
             continue;
         }
@@ -788,7 +800,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
                 d.declare_silent();
             }
             _ = sigint.recv() => interrupted = Some(Signal::SIGINT),
-            _ = sigterm.recv() => interrupted = Some(Signal::SIGTERM),
+            _ = sigterm.recv() => on_sigterm(control.is_some(), &mut interrupted, &mut handing_over),
         }
         status_tx.send_replace(Published {
             snapshot: d.core.snapshot(d.now()),
@@ -797,6 +809,14 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         if let Some(c) = &control {
             c.publish(&d.core);
         }
+    }
+    if let Some(c) = control.take_if(|_| handing_over) {
+        c.publish(&d.core);
+        let why = match c.hand_over().await {
+            Ok(()) => "SIGTERM".to_string(),
+            Err(e) => format!("SIGTERM; {e:#}"),
+        };
+        step_down(&why);
     }
     poller.abort();
     let targets: Vec<(u64, Handle)> = d.handles.drain().collect();
@@ -821,7 +841,8 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         // Every worker is gone and its output relayed: the spool has served.
         let _ = std::fs::remove_dir_all(dir);
     }
-    Ok(match interrupted {
+    let snap = d.core.snapshot(d.now());
+    let ending = match interrupted {
         Some(sig) => Ending {
             code: 128 + sig as u8,
             message: format!("interrupted by {sig}; all workers were stopped"),
@@ -830,5 +851,85 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             code: 1,
             message: "the job ended without a result".into(),
         }),
+    };
+    write_termination_message(
+        std::path::Path::new(TERMINATION_LOG),
+        &termination_message(&ending, snap.generation, snap.workers, snap.resets),
+    );
+    Ok(ending)
+}
+
+/// Where Kubernetes reads a container's last words (`terminationMessagePath`'s default).
+const TERMINATION_LOG: &str = "/dev/termination-log";
+
+/// The status report a driver that ended its job leaves as its last words: the operator
+/// tells from it a job that ended from a driver that was lost (and must be replaced). Kept
+/// small: Kubernetes keeps 4 KiB of it.
+fn termination_message(end: &Ending, generation: u64, workers: usize, resets: u64) -> String {
+    serde_json::json!({
+        "phase": if end.code == 0 { "Succeeded" } else { "Failed" },
+        "generation": generation,
+        "workers": workers,
+        "resets": resets,
+        "message": end.message.chars().take(1024).collect::<String>(),
     })
+    .to_string()
+}
+
+/// Writes `message` to `path` when that file exists (inside a Kubernetes container); never
+/// creates it elsewhere.
+fn write_termination_message(path: &std::path::Path, message: &str) {
+    if !path.is_file() {
+        return;
+    }
+    if let Err(e) = std::fs::write(path, message) {
+        tracing::debug!(path = %path.display(), error = %e, "cannot write the termination message");
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// The last words name a terminal phase the operator reads as a job that ended, and are
+    /// written only where the file already exists.
+    #[test]
+    fn the_termination_message_is_a_small_terminal_status_written_only_in_place() {
+        let ok = Ending {
+            code: 0,
+            message: "every worker finished".into(),
+        };
+        let failed = Ending {
+            code: 1,
+            message: "x".repeat(10_000),
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(&termination_message(&ok, 3, 4, 1)).unwrap();
+        assert_eq!(v["phase"], "Succeeded");
+        assert_eq!(
+            (v["generation"].as_u64(), v["resets"].as_u64()),
+            (Some(3), Some(1))
+        );
+        let long = termination_message(&failed, 1, 2, 0);
+        assert!(long.len() < 4096, "{}", long.len());
+        let v: serde_json::Value = serde_json::from_str(&long).unwrap();
+        assert_eq!(v["phase"], "Failed");
+        let dir = std::env::temp_dir().join(format!("hvd-termlog-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let absent = dir.join("absent");
+        write_termination_message(&absent, "{}");
+        assert!(
+            !absent.exists(),
+            "created a termination log outside a container"
+        );
+        let present = dir.join("present");
+        std::fs::write(&present, "").unwrap();
+        write_termination_message(&present, "{\"phase\":\"Failed\"}");
+        assert_eq!(
+            std::fs::read_to_string(&present).unwrap(),
+            "{\"phase\":\"Failed\"}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
