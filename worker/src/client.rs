@@ -436,15 +436,22 @@ fn connect(
     ))
 }
 
-/// Reconnects to whichever driver serves the rendezvous address, backing off from 100 ms to
-/// 500 ms between tries (a successor is found within half a second of serving), until
-/// `r.grace` has passed since `lost`; `None` then.
+/// Reconnects to whichever driver serves the rendezvous address, backing off (`backon`:
+/// exponential from 100 ms to 300 ms, with up to as much again of jitter, so the workers of a
+/// large job do not knock on a successor all at once) until `r.grace` has passed since `lost`;
+/// `None` then.
 fn redial(
     r: &Redial,
     inbox: &Inbox,
     lost: Instant,
 ) -> Option<(BufReader<TcpStream>, Writer, Opener)> {
-    let mut pause = Duration::from_millis(100);
+    use backon::BackoffBuilder;
+    let mut pauses = backon::ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_millis(300))
+        .with_jitter()
+        .without_max_times()
+        .build();
     let mut last_error = String::new();
     while lost.elapsed() < r.grace {
         let generation = inbox.generation.load(Ordering::SeqCst);
@@ -452,8 +459,8 @@ fn redial(
             Ok(c) => return Some(c),
             Err(e) => last_error = e,
         }
+        let pause = pauses.next().unwrap_or(Duration::from_millis(300));
         thread::sleep(pause.min(r.grace.saturating_sub(lost.elapsed())));
-        pause = (pause * 2).min(Duration::from_millis(500));
     }
     tracing::debug!(error = %last_error, "the last try to reach a driver");
     None
