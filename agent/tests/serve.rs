@@ -773,15 +773,18 @@ async fn a_claimed_job_outlives_its_driver_and_goes_to_the_next_claim() {
         &[],
     )
     .await;
-    let pid = started(&mut ev, 7).await;
     start(&mut rq, 8, "sleep 0.3; echo last words; exit 3", &[]).await;
-    started(&mut ev, 8).await;
-    let mut last = 0u64;
-    while last < 3 {
-        if let FromAgent::Output { id: 7, line, .. } = next(&mut ev).await {
-            last = line.parse().unwrap();
+    // The counter's lines may come before the second start's answer.
+    let (mut pid, mut pid8, mut last) = (None, None, 0u64);
+    while pid.is_none() || pid8.is_none() || last < 3 {
+        match next(&mut ev).await {
+            FromAgent::Started { id: 7, pid: p } => pid = Some(p),
+            FromAgent::Started { id: 8, pid: p } => pid8 = Some(p),
+            FromAgent::Output { id: 7, line, .. } => last = line.parse().unwrap(),
+            other => panic!("unexpected {other:?}"),
         }
     }
+    let (pid, pid8) = (pid.unwrap(), pid8.unwrap());
     drop((ev, rq));
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert!(alive(pid as i32), "the process did not outlive its driver");
@@ -791,16 +794,7 @@ async fn a_claimed_job_outlives_its_driver_and_goes_to_the_next_claim() {
     let (mut ev2, mut rq2) = connect(&addr, SECRET, T).await.unwrap();
     let (held, dropped) = claim(&mut rq2, &mut ev2, "jobs/a", 10_000).await;
     assert_eq!(dropped, 0);
-    assert_eq!(
-        held,
-        vec![
-            Held { id: 7, pid },
-            Held {
-                id: 8,
-                pid: held[1].pid
-            }
-        ]
-    );
+    assert_eq!(held, vec![Held { id: 7, pid }, Held { id: 8, pid: pid8 }]);
     // Every line the counter wrote while no driver was there, in order, then live ones; and
     // the exit of the one that ended meanwhile, after its last words.
     let (mut next_n, mut words, mut exit8) = (None::<u64>, false, None);
