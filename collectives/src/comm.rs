@@ -949,11 +949,24 @@ impl Communicator {
             .iter()
             .filter_map(|&p| self.readers[p].as_ref().map(|s| (p, s)))
             .collect();
+        // POLLRDHUP: the peer closed its side, even when what it wrote before is still unread
+        // here (a peek would find that data and take the dead peer for a live one). Peers
+        // never half-close a live connection.
+        let rdhup = PollFlags::from_bits_retain(nix::libc::POLLRDHUP);
         let mut fds: Vec<PollFd<'_>> = socks
             .iter()
-            .map(|(_, s)| PollFd::new(s.as_fd(), PollFlags::POLLIN))
+            .map(|(_, s)| PollFd::new(s.as_fd(), PollFlags::POLLIN | rdhup))
             .collect();
         poll(&mut fds, PollTimeout::ZERO).ok()?;
+        // nix has no name for POLLRDHUP, so a poll that reports it reads as `None` (the only
+        // flag asked for that it cannot name); hang-up and error it names.
+        let gone = |f: &PollFd<'_>| {
+            f.revents()
+                .is_none_or(|r| r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR))
+        };
+        if let Some(((p, _), _)) = socks.iter().zip(&fds).find(|(_, f)| gone(f)) {
+            return Some(*p);
+        }
         // Readable is not closed: a peer already in its next call may have written to us.
         // A closed connection reads as end of stream (or an error) without consuming anything.
         let readable: Vec<(usize, &TcpStream)> = socks
