@@ -142,8 +142,25 @@ impl Agents {
         if self.conns.get(host).is_some_and(|tx| !tx.is_closed()) {
             return;
         }
-        let (tx, rx) = mpsc::channel(QUEUE);
+        if let Err(e) = self.open(host, None, exits) {
+            tracing::warn!(host, error = %e, "cannot reach the agent to reclaim its workers");
+        }
+    }
+
+    /// Opens a connection to `host`'s agent, with `first` queued before it runs (so a
+    /// connection that fails at once reports that start's failure as an exit).
+    fn open(
+        &mut self,
+        host: &str,
+        first: Option<Cmd>,
+        exits: &mpsc::Sender<Exit>,
+    ) -> Result<mpsc::Sender<Cmd>, String> {
         let addr = self.addr(host);
+        let (tx, rx) = mpsc::channel(QUEUE);
+        if let Some(cmd) = first {
+            tx.try_send(cmd)
+                .map_err(|e| format!("queueing a start for the hvd agent at {addr}: {e}"))?;
+        }
         tokio::spawn(connection(
             addr,
             self.secret.clone(),
@@ -151,7 +168,8 @@ impl Agents {
             exits.clone(),
             self.claim.clone(),
         ));
-        self.conns.insert(host.to_string(), tx);
+        self.conns.insert(host.to_string(), tx.clone());
+        Ok(tx)
     }
 
     /// `host:port` of `host`'s agent.
@@ -201,18 +219,7 @@ impl Agents {
                 }
             }
         }
-        let (tx, rx) = mpsc::channel(QUEUE);
-        // Queued before the connection runs: it can't fail between the two.
-        tx.try_send(cmd)
-            .map_err(|e| format!("queueing a start for the hvd agent at {addr}: {e}"))?;
-        tokio::spawn(connection(
-            addr,
-            self.secret.clone(),
-            (tx.downgrade(), rx),
-            exits.clone(),
-            self.claim.clone(),
-        ));
-        self.conns.insert(host.to_string(), tx.clone());
+        let tx = self.open(host, Some(cmd), exits)?;
         Ok((Remote { id, tx }, out_r, err_r))
     }
 }

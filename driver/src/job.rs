@@ -360,13 +360,15 @@ pub fn tail(
     tokio::spawn(relay(label, stream_name, rx, log, Some(mark), false))
 }
 
-/// Relays the output of a worker an agent handed over from a predecessor, appending to its
-/// log files in `log_dir` (`--output-filename`) when there are any.
-pub fn relay_handed(
+/// Relays an agent-run worker's two output streams, writing its log files in `log_dir`
+/// (`--output-filename`) too when there are any: truncated for a worker just started,
+/// appended to for one an agent handed over from a predecessor.
+pub fn relay_remote(
     label: &str,
     out: DuplexStream,
     err: DuplexStream,
     log_dir: Option<PathBuf>,
+    append: bool,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     if let Some(d) = &log_dir {
         if let Err(e) = std::fs::create_dir_all(d) {
@@ -381,7 +383,7 @@ pub fn relay_handed(
             out,
             file("stdout"),
             None,
-            true,
+            append,
         )),
         tokio::spawn(relay(
             label.to_string(),
@@ -389,7 +391,7 @@ pub fn relay_handed(
             err,
             file("stderr"),
             None,
-            true,
+            append,
         )),
     ]
 }
@@ -484,24 +486,7 @@ impl Launcher {
             let (remote, out, err) =
                 agents.start(host, id, self.command.clone(), env, cwd, &self.exits)?;
             tracing::debug!(worker = id, host, "worker handed to the agent");
-            let relays = vec![
-                tokio::spawn(relay(
-                    label.to_string(),
-                    "stdout",
-                    out,
-                    file("stdout"),
-                    None,
-                    false,
-                )),
-                tokio::spawn(relay(
-                    label.to_string(),
-                    "stderr",
-                    err,
-                    file("stderr"),
-                    None,
-                    false,
-                )),
-            ];
+            let relays = relay_remote(label, out, err, log.clone(), false);
             return Ok(Spawned {
                 handle: Handle::Agent(remote),
                 relays,

@@ -222,8 +222,13 @@ impl Driver {
             .output_dir
             .as_ref()
             .map(|d| d.join(format!("worker.{id}")));
-        self.relays
-            .extend(crate::job::relay_handed(&id.to_string(), out, err, log));
+        self.relays.extend(crate::job::relay_remote(
+            &id.to_string(),
+            out,
+            err,
+            log,
+            true,
+        ));
         self.handles.insert(id, Handle::Agent(remote));
         if let Some(ended) = self.adopted.remove(&id) {
             ended.store(true, Ordering::SeqCst);
