@@ -32,8 +32,45 @@ pub const ENV_START_TIMEOUT: &str = "HOROVOD_START_TIMEOUT";
 pub const ENV_CYCLE_TIME: &str = "HOROVOD_CYCLE_TIME";
 /// Largest fusion buffer in bytes, 0 to disable fusion (Horovod's name; `--fusion-threshold-mb`).
 pub const ENV_FUSION_THRESHOLD: &str = "HOROVOD_FUSION_THRESHOLD";
-/// Seconds an op may wait for every rank to submit it (Horovod's stall check).
+/// Seconds an op may wait for every rank to submit it before the stall check warns, naming
+/// the ranks that have not (Horovod's name; `--stall-check-warning-time-seconds`, default 60).
 pub const ENV_STALL_CHECK_TIME: &str = "HOROVOD_STALL_CHECK_TIME_SECONDS";
+/// Seconds an op may wait for every rank before it fails on every rank as stalled; 0 (the
+/// default) never fails it (Horovod's name; `--stall-check-shutdown-time-seconds`).
+pub const ENV_STALL_SHUTDOWN_TIME: &str = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS";
+/// Set to `1` to turn the stall check off (Horovod's name; `--no-stall-check`).
+pub const ENV_STALL_CHECK_DISABLE: &str = "HOROVOD_STALL_CHECK_DISABLE";
+/// `1` asks for hierarchical allgather (gather on each host, allgather across hosts, broadcast
+/// on each host), `0` forbids it (Horovod's name; `--[no-]hierarchical-allgather`).
+pub const ENV_HIERARCHICAL_ALLGATHER: &str = "HOROVOD_HIERARCHICAL_ALLGATHER";
+/// Set to `1` to let the engine tune its knobs on the running job (Horovod's name; `--autotune`).
+pub const ENV_AUTOTUNE: &str = "HOROVOD_AUTOTUNE";
+/// CSV file rank 0 logs every autotune sample to (Horovod's name; `--autotune-log-file`).
+pub const ENV_AUTOTUNE_LOG: &str = "HOROVOD_AUTOTUNE_LOG";
+/// Samples discarded before autotune starts optimising (`--autotune-warmup-samples`, default 3).
+pub const ENV_AUTOTUNE_WARMUP_SAMPLES: &str = "HOROVOD_AUTOTUNE_WARMUP_SAMPLES";
+/// Steps (engine cycles with work) scored per autotune sample (`--autotune-steps-per-sample`,
+/// default 10).
+pub const ENV_AUTOTUNE_STEPS_PER_SAMPLE: &str = "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE";
+/// Most samples of one Bayesian optimisation (`--autotune-bayes-opt-max-samples`, default 20).
+pub const ENV_AUTOTUNE_BAYES_OPT_MAX_SAMPLES: &str = "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES";
+/// Noise regularisation of autotune's Gaussian process, 0 to 1
+/// (`--autotune-gaussian-process-noise`, default 0.8).
+pub const ENV_AUTOTUNE_GAUSSIAN_PROCESS_NOISE: &str = "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE";
+/// Seconds a collective may take to complete before it fails (Horovod's name;
+/// `--gloo-timeout-seconds`, default 30).
+pub const ENV_GLOO_TIMEOUT_SECONDS: &str = "HOROVOD_GLOO_TIMEOUT_SECONDS";
+/// Core the engine's background thread is pinned to (Horovod's name; `--thread-affinity`).
+pub const ENV_THREAD_AFFINITY: &str = "HOROVOD_THREAD_AFFINITY";
+/// NCCL streams per device (Horovod's name; `--num-nccl-streams`): this build has no NCCL, so
+/// it is recorded and has no effect.
+pub const ENV_NUM_NCCL_STREAMS: &str = "HOROVOD_NUM_NCCL_STREAMS";
+/// Least level the workers' hvd logs (TRACE, DEBUG, INFO, WARNING, ERROR, FATAL; Horovod's
+/// name; `--log-level`). `RUST_LOG` wins where set.
+pub const ENV_LOG_LEVEL: &str = "HOROVOD_LOG_LEVEL";
+/// Set to `1` to leave the time out of the workers' hvd log lines (Horovod's name;
+/// `--log-without-timestamp`).
+pub const ENV_LOG_HIDE_TIME: &str = "HOROVOD_LOG_HIDE_TIME";
 /// Most ops whose negotiation each rank remembers, 0 to negotiate every op (Horovod's name;
 /// `--cache-capacity`).
 pub const ENV_CACHE_CAPACITY: &str = "HOROVOD_CACHE_CAPACITY";
