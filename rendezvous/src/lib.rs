@@ -11,6 +11,7 @@ mod assign;
 mod auth;
 mod env;
 mod msg;
+mod vars;
 
 pub use assign::{AssignError, HostSlots, SlotInfo, assign_static};
 pub use auth::{AuthMsg, CONTEXT, DialerAuth, ListenerAuth, open_line, refusal_line, seal_line};
@@ -19,3 +20,4 @@ pub use hvd_auth::{Opener, Sealer, Session};
 pub use msg::{
     DriverMsg, HostsUpdate, MAX_LINE, Placement, ProtocolError, WorkerMsg, decode_line, encode_line,
 };
+pub use vars::{HOROVOD_VARS, Meaning, build_switch, check_backend, horovod_var};
