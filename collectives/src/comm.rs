@@ -33,6 +33,10 @@ pub struct Communicator {
     pub(crate) cma: Option<Vec<nix::unistd::Pid>>,
     /// The host and cross-host halves of this world, when allreduce runs hierarchically.
     pub(crate) hier: Option<Hierarchy>,
+    /// Whether allreduce and allgather take the hierarchical path where `hier` exists
+    /// (switched at run time by the engine's autotune, on every rank at the same cycle).
+    pub(crate) hier_allreduce: bool,
+    pub(crate) hier_allgather: bool,
     /// This rank's mailbox for small messages among ranks of one host.
     mailbox: Mailbox,
     /// Every rank's mailbox and the largest payload all of them hold, when the whole world
@@ -198,7 +202,7 @@ impl Communicator {
             &mut streams,
             &host_of,
             cfg.same_host_copy,
-            cfg.hierarchical != Some(false),
+            cfg.hierarchical != Some(false) || cfg.hierarchical_allgather != Some(false),
             &mailbox,
             crate::cma::CoreOffer::own(cfg.cores),
         )
@@ -206,7 +210,7 @@ impl Communicator {
             context: "agreeing on same-host transfers".into(),
             source,
         })?;
-        let forced = cfg.hierarchical == Some(true);
+        let forced = cfg.hierarchical == Some(true) || cfg.hierarchical_allgather == Some(true);
         // The communicator registers its own duplicates of the sockets (an abort from here on
         // reaches them through those).
         shared.forget_streams();
@@ -266,7 +270,7 @@ impl Communicator {
             if forced {
                 tracing::warn!(
                     reason,
-                    "hierarchical allreduce was asked for but cannot apply"
+                    "hierarchical allreduce or allgather was asked for but cannot apply"
                 );
             }
             return Ok(());
@@ -286,6 +290,8 @@ impl Communicator {
             local: Box::new(local),
             cross: Box::new(cross),
         });
+        self.hier_allreduce = self.cfg.hierarchical != Some(false);
+        self.hier_allgather = self.cfg.hierarchical_allgather != Some(false);
         Ok(())
     }
 
@@ -296,6 +302,7 @@ impl Communicator {
         cfg.rank = members.iter().position(|&r| r == self.rank()).unwrap_or(0);
         cfg.size = members.len();
         cfg.hierarchical = Some(false);
+        cfg.hierarchical_allgather = Some(false);
         let mut streams = Vec::with_capacity(members.len());
         for &m in members {
             let s = match self.readers[m].as_ref() {
@@ -442,6 +449,8 @@ impl Communicator {
             txbuf: Vec::new(),
             cma: None,
             hier: None,
+            hier_allreduce: false,
+            hier_allgather: false,
             mailbox: Mailbox::new(0),
             mail: None,
             posted: None,
@@ -466,7 +475,28 @@ impl Communicator {
     /// Whether allreduce runs hierarchically: on each host, then across hosts, then on each
     /// host again (see [`crate::CommConfig::hierarchical`]).
     pub fn is_hierarchical(&self) -> bool {
+        self.hier.is_some() && self.hier_allreduce
+    }
+
+    /// Whether allgather runs hierarchically: gathered on each host, across hosts among the
+    /// hosts' first ranks, then broadcast on each host (see
+    /// [`crate::CommConfig::hierarchical_allgather`]).
+    pub fn is_hierarchical_allgather(&self) -> bool {
+        self.hier.is_some() && self.hier_allgather
+    }
+
+    /// Whether the hosts allow the hierarchical paths at all (several hosts, the same number
+    /// of ranks on each, more than one per host, and no rank refused both).
+    pub fn can_run_hierarchically(&self) -> bool {
         self.hier.is_some()
+    }
+
+    /// Switches hierarchical allreduce and allgather on or off where the hosts allow them
+    /// (a no-op where they do not). Every rank must switch at the same point of its sequence
+    /// of collectives, as the engine's autotune does.
+    pub fn set_hierarchical(&mut self, allreduce: bool, allgather: bool) {
+        self.hier_allreduce = allreduce;
+        self.hier_allgather = allgather;
     }
 
     /// A handle that aborts this communicator from another thread.

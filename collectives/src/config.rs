@@ -35,6 +35,9 @@ pub struct CommConfig {
     /// `Some(true)` asks for it (logged when it cannot apply), `Some(false)` never uses it.
     /// Ranks listening on one address form one host. Every rank must want it.
     pub hierarchical: Option<bool>,
+    /// Hierarchical allgather (gather on each host, allgather across hosts, broadcast on each
+    /// host), with the same rules and choices as [`CommConfig::hierarchical`].
+    pub hierarchical_allgather: Option<bool>,
     /// TCP connections to each peer (1 to 15); with more than one, the ring's segments are
     /// striped over all of them, which pays where one stream cannot fill a link (a long, fat
     /// network). Every rank must use the same number.
@@ -61,6 +64,7 @@ impl CommConfig {
             small_bytes: 32 * 1024,
             same_host_copy: true,
             hierarchical: None,
+            hierarchical_allgather: None,
             streams: 1,
             cores: None,
         }

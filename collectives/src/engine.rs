@@ -10,8 +10,14 @@
 //! 3. the ops pending on every rank are run in the order rank 0 submitted them, consecutive
 //!    allreduces of one dtype and reduction packed into one fusion buffer of up to
 //!    `fusion_bytes` and reduced as one (the other collectives run one by one);
-//! 4. an op pending on some ranks only for longer than `stall_timeout` fails on every rank
-//!    with a message naming the ranks that never submitted it (a stall, instead of a hang).
+//! 4. the stall check: an op pending on some ranks only for longer than `stall_warning` is
+//!    logged (by rank 0) naming the ranks that have not submitted it, again every
+//!    `stall_warning` while it waits; past `stall_shutdown` (when set) it fails on every rank
+//!    with a message naming those ranks (a stall, instead of a hang).
+//!
+//! With autotune, rank 0 scores each setting of the knobs by the bytes the cycles move per
+//! second of engine time and announces the next setting in its announcement; every rank
+//! applies it at that same cycle (see [`crate::autotune`]).
 //!
 //! An op seen before is announced by a 4-byte id from a response cache of `cache_capacity`
 //! entries instead of its name and shape; every rank's cache holds the same entries, because
@@ -23,10 +29,11 @@
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::autotune::{AutotuneConfig, Setting, Tuner};
 use crate::buffer::HugeBuffer;
 use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
@@ -40,13 +47,26 @@ pub struct EngineConfig {
     pub cycle: Duration,
     /// Largest fusion buffer, in bytes; 0 disables fusion (`HOROVOD_FUSION_THRESHOLD`).
     pub fusion_bytes: usize,
-    /// How long an op may wait for the other ranks to submit it before it fails.
-    pub stall_timeout: Duration,
+    /// How long an op may wait for the other ranks to submit it before the stall check logs
+    /// a warning naming them, repeated every as long while it waits
+    /// (`HOROVOD_STALL_CHECK_TIME_SECONDS`).
+    pub stall_warning: Duration,
+    /// How long an op may wait before it fails on every rank as stalled; zero (the default),
+    /// or a time not above `stall_warning`, never fails it
+    /// (`HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`).
+    pub stall_shutdown: Duration,
+    /// Whether the stall check runs at all (`HOROVOD_STALL_CHECK_DISABLE=1` turns it off).
+    pub stall_check: bool,
     /// Where to record every op's phases (`HOROVOD_TIMELINE`).
     pub timeline: Option<Arc<Timeline>>,
     /// Ops whose announcement each rank remembers, announced after by a short id; 0 announces
     /// every op in full (`HOROVOD_CACHE_CAPACITY`).
     pub cache_capacity: usize,
+    /// Tune fusion threshold, cycle time, response cache and hierarchical collectives on the
+    /// running job (`HOROVOD_AUTOTUNE`); rank 0's setting is the one that counts.
+    pub autotune: Option<AutotuneConfig>,
+    /// The core the engine's thread runs on (`HOROVOD_THREAD_AFFINITY`).
+    pub thread_affinity: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -54,9 +74,13 @@ impl Default for EngineConfig {
         Self {
             cycle: Duration::from_millis(1),
             fusion_bytes: 128 << 20,
-            stall_timeout: Duration::from_secs(60),
+            stall_warning: Duration::from_secs(60),
+            stall_shutdown: Duration::ZERO,
+            stall_check: true,
             timeline: None,
             cache_capacity: 1024,
+            autotune: None,
+            thread_affinity: None,
         }
     }
 }
@@ -404,6 +428,40 @@ impl Submitter {
 pub struct Engine {
     submitter: Submitter,
     thread: Option<thread::JoinHandle<Communicator>>,
+    status: Arc<Mutex<EngineStatus>>,
+}
+
+/// What an engine is doing, as its owner may ask ([`Engine::status`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineStatus {
+    /// The knobs in force (the same on every rank, switched at the same cycle).
+    pub setting: Setting,
+    /// Whether autotune is still trying settings.
+    pub autotuning: bool,
+    /// Stall warnings so far: one per stalled op each warning period.
+    pub stall_warnings: u64,
+}
+
+/// Pins the calling thread to `core`.
+fn pin_to(core: usize) -> nix::Result<()> {
+    let mut set = nix::sched::CpuSet::new();
+    set.set(core)?;
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+}
+
+/// Checks that this process may run on `core` (before the engine's thread is pinned to it).
+fn check_core(core: usize) -> Result<()> {
+    let allowed = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0))
+        .and_then(|set| set.is_set(core));
+    match allowed {
+        Ok(true) => Ok(()),
+        Ok(false) | Err(_) => Err(CommError::InvalidArgument {
+            op: "engine",
+            detail: format!(
+                "thread affinity: core {core} is not among the cores this process may run on"
+            ),
+        }),
+    }
 }
 
 impl Engine {
@@ -412,10 +470,23 @@ impl Engine {
     /// # Errors
     /// [`CommError::Io`] when the thread can't be started.
     pub fn start(comm: Communicator, cfg: EngineConfig) -> Result<Self> {
+        if let Some(core) = cfg.thread_affinity {
+            check_core(core)?;
+        }
         let (tx, rx) = mpsc::channel();
+        let worker = Worker::new(comm, cfg, rx);
+        let status = Arc::clone(&worker.status);
         let thread = thread::Builder::new()
             .name("hvd-engine".into())
-            .spawn(move || Worker::new(comm, cfg, rx).run())
+            .spawn(move || {
+                if let Some(core) = worker.cfg.thread_affinity {
+                    match pin_to(core) {
+                        Ok(()) => tracing::debug!(core, "engine thread pinned"),
+                        Err(e) => tracing::warn!(core, error = %e, "cannot pin the engine thread"),
+                    }
+                }
+                worker.run()
+            })
             .map_err(|source| CommError::Io {
                 context: "starting the engine thread".into(),
                 source,
@@ -423,7 +494,16 @@ impl Engine {
         Ok(Self {
             submitter: Submitter { tx },
             thread: Some(thread),
+            status,
         })
+    }
+
+    /// The knobs in force, whether autotune is still at work, and the stall warnings so far.
+    pub fn status(&self) -> EngineStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// A cloneable way to submit ops to this engine from elsewhere (another thread, a
@@ -546,13 +626,31 @@ struct Announce {
     clock_ms: u64,
     /// Every pending op, in submission order.
     ops: Vec<Entry>,
+    /// Rank 0 only: the knobs every rank applies at this cycle, and whether autotune goes on
+    /// trying settings after it.
+    setting: Option<(Setting, bool)>,
 }
 
 impl Announce {
     fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(16 + self.ops.len() * 8);
-        b.push(u8::from(self.stopping) | (u8::from(self.joined) << 1));
+        let tuning = self.setting.is_some_and(|(_, t)| t);
+        b.push(
+            u8::from(self.stopping)
+                | (u8::from(self.joined) << 1)
+                | (u8::from(self.setting.is_some()) << 2)
+                | (u8::from(tuning) << 3),
+        );
         b.extend_from_slice(&self.clock_ms.to_le_bytes());
+        if let Some((s, _)) = self.setting {
+            b.extend_from_slice(&(s.fusion_bytes as u64).to_le_bytes());
+            b.extend_from_slice(&(s.cycle.as_nanos() as u64).to_le_bytes());
+            b.push(
+                u8::from(s.cache)
+                    | (u8::from(s.hierarchical_allreduce) << 1)
+                    | (u8::from(s.hierarchical_allgather) << 2),
+            );
+        }
         b.extend_from_slice(&(self.ops.len() as u32).to_le_bytes());
         for e in &self.ops {
             match e {
@@ -587,6 +685,23 @@ impl Announce {
         let flags = take(1)?[0];
         let (stopping, joined) = (flags & 1 != 0, flags & 2 != 0);
         let clock_ms = u64_at(take(8)?)?;
+        let setting = if flags & 4 != 0 {
+            let fusion_bytes = usize::try_from(u64_at(take(8)?)?).ok()?;
+            let cycle = Duration::from_nanos(u64_at(take(8)?)?);
+            let knobs = take(1)?[0];
+            Some((
+                Setting {
+                    fusion_bytes,
+                    cycle,
+                    cache: knobs & 1 != 0,
+                    hierarchical_allreduce: knobs & 2 != 0,
+                    hierarchical_allgather: knobs & 4 != 0,
+                },
+                flags & 8 != 0,
+            ))
+        } else {
+            None
+        };
         let count = u32_at(take(4)?)? as usize;
         let mut ops = Vec::with_capacity(count.min(1 << 16));
         for _ in 0..count {
@@ -614,6 +729,7 @@ impl Announce {
                 joined,
                 clock_ms,
                 ops,
+                setting,
             },
             at,
         ))
@@ -701,12 +817,53 @@ struct Worker {
     /// Which ranks had joined as of the last cycle, and the one that joined last.
     joined: Vec<bool>,
     last_joined: usize,
+    /// Rank 0's clock when the stall check last warned of each stalled op.
+    warned: HashMap<String, u64>,
+    /// Rank 0's autotune, and the setting it wants announced next.
+    tuner: Option<Tuner>,
+    proposed: Option<(Setting, bool)>,
+    /// When the last step (a cycle that ran ops) ended: a step's engine time starts then, or
+    /// when its first op was submitted, whichever is later.
+    last_step: Instant,
+    /// The response cache's capacity when autotune turns it on.
+    cache_on: usize,
+    /// What [`Engine::status`] reports.
+    status: Arc<Mutex<EngineStatus>>,
 }
 
 impl Worker {
     fn new(mut comm: Communicator, cfg: EngineConfig, rx: mpsc::Receiver<Command>) -> Self {
         comm.set_background(true);
+        let setting = Setting {
+            fusion_bytes: cfg.fusion_bytes,
+            cycle: cfg.cycle,
+            cache: cfg.cache_capacity > 0,
+            hierarchical_allreduce: comm.is_hierarchical(),
+            hierarchical_allgather: comm.is_hierarchical_allgather(),
+        };
+        // Rank 0 tunes; the others follow its announcements. An engine built for a new
+        // membership starts tuning afresh.
+        let tuner = cfg
+            .autotune
+            .clone()
+            .filter(|_| comm.rank() == 0 && comm.size() > 1)
+            .map(|a| Tuner::new(a, setting, comm.can_run_hierarchically()));
+        let status = EngineStatus {
+            setting,
+            autotuning: cfg.autotune.is_some() && comm.size() > 1,
+            stall_warnings: 0,
+        };
         Self {
+            warned: HashMap::new(),
+            tuner,
+            proposed: None,
+            last_step: Instant::now(),
+            cache_on: if cfg.cache_capacity > 0 {
+                cfg.cache_capacity
+            } else {
+                EngineConfig::default().cache_capacity
+            },
+            status: Arc::new(Mutex::new(status)),
             comm,
             cache: Cache::new(cfg.cache_capacity),
             cfg,
@@ -837,6 +994,7 @@ impl Worker {
                 .iter()
                 .map(|r| self.cache.entry(r.sig()))
                 .collect(),
+            setting: self.proposed.take(),
         };
         let t_cycle = Instant::now();
         let gathered = self.gather(&mine)?;
@@ -855,6 +1013,7 @@ impl Worker {
             return Ok(false);
         }
         let clock = gathered[0].clock_ms;
+        let switch = gathered[0].setting;
         let joined: Vec<bool> = gathered.iter().map(|a| a.joined).collect();
         // Of the ranks that joined since the last cycle, the highest counts as the last.
         self.joined.resize(n, false);
@@ -936,44 +1095,7 @@ impl Worker {
                 self.pending.push(r);
             }
         }
-        // Stalls: pending somewhere, not everywhere, for too long (on rank 0's clock).
-        let mut seen_now: HashSet<&str> = HashSet::new();
-        for s in &sets {
-            for name in s.keys() {
-                if !needed.iter().all(|&r| sets[r].contains_key(name)) {
-                    seen_now.insert(name);
-                }
-            }
-        }
-        self.first_seen.retain(|k, _| seen_now.contains(k.as_str()));
-        let mut stalled: Vec<&str> = Vec::new();
-        for name in &seen_now {
-            let first = *self.first_seen.entry((*name).to_string()).or_insert(clock);
-            if clock.saturating_sub(first) >= self.cfg.stall_timeout.as_millis() as u64 {
-                stalled.push(name);
-            }
-        }
-        stalled.sort_unstable();
-        for name in stalled {
-            let have: Vec<usize> = (0..n).filter(|&r| sets[r].contains_key(name)).collect();
-            let missing: Vec<usize> = needed
-                .iter()
-                .copied()
-                .filter(|&r| !sets[r].contains_key(name))
-                .collect();
-            failed.push((
-                name.to_string(),
-                CommError::InvalidArgument {
-                    op: "engine",
-                    detail: format!(
-                        "op '{name}' was submitted by ranks {have:?} but not by ranks {missing:?} \
-                         within {:?} (stalled)",
-                        self.cfg.stall_timeout
-                    ),
-                },
-            ));
-            self.first_seen.remove(name);
-        }
+        self.stall_check(&sets, &needed, clock, &mut failed);
         for (name, e) in failed {
             if let Some(i) = self.pending.iter().position(|r| r.name == name) {
                 let r = self.pending.remove(i);
@@ -987,8 +1109,32 @@ impl Worker {
                 t.span(&r.name, &phase, r.submitted, now, "");
             }
         }
+        // The setting rank 0 announced applies from this cycle's ops on, on every rank.
+        if let Some((setting, tuning)) = switch {
+            self.apply(setting, tuning);
+        }
+        let (bytes, earliest) = self
+            .pending
+            .iter()
+            .filter(|r| ready.contains(&r.name))
+            .fold((0u64, None::<Instant>), |(b, e), r| {
+                let e = e.map_or(r.submitted, |e| e.min(r.submitted));
+                (b + r.tensor.bytes().len() as u64, Some(e))
+            });
         self.agreed = Instant::now();
         self.run_ready(&ready)?;
+        if let Some(first) = earliest {
+            let end = Instant::now();
+            let time = end.saturating_duration_since(first.max(self.last_step));
+            self.last_step = end;
+            // A cycle that switched settings ran its ops under two of them: not scored.
+            if switch.is_none() {
+                if let Some(next) = self.tuner.as_mut().and_then(|t| t.step(bytes, time)) {
+                    let tuning = self.tuner.as_ref().is_some_and(|t| !t.is_done());
+                    self.proposed = Some((next, tuning));
+                }
+            }
+        }
         if all_joined {
             if let Some(j) = self.join.take() {
                 let _ = j.send(Ok(self.last_joined));
@@ -996,6 +1142,115 @@ impl Worker {
             self.joined.fill(false);
         }
         Ok(true)
+    }
+
+    /// Applies the knobs of `setting`; `tuning`: whether autotune goes on after it. Every rank
+    /// calls it at the same cycle, so the response caches are emptied alike.
+    fn apply(&mut self, setting: Setting, tuning: bool) {
+        self.cfg.fusion_bytes = setting.fusion_bytes;
+        self.cfg.cycle = setting.cycle;
+        let capacity = if setting.cache { self.cache_on } else { 0 };
+        if capacity != self.cache.capacity {
+            self.cache = Cache::new(capacity);
+        }
+        self.comm.set_hierarchical(
+            setting.hierarchical_allreduce,
+            setting.hierarchical_allgather,
+        );
+        let setting = Setting {
+            hierarchical_allreduce: self.comm.is_hierarchical(),
+            hierarchical_allgather: self.comm.is_hierarchical_allgather(),
+            ..setting
+        };
+        tracing::debug!(?setting, tuning, "engine settings switched");
+        let mut st = self
+            .status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        st.setting = setting;
+        st.autotuning = tuning;
+    }
+
+    /// The stall check: warns of ops pending on some needed ranks but not all for longer
+    /// than the warning time (rank 0 logs it; every rank counts it), once per warning period,
+    /// and fails them past the shutdown time. `clock` is rank 0's, so all ranks agree.
+    fn stall_check(
+        &mut self,
+        sets: &[HashMap<&str, &Sig>],
+        needed: &[usize],
+        clock: u64,
+        failed: &mut Vec<(String, CommError)>,
+    ) {
+        if !self.cfg.stall_check {
+            self.first_seen.clear();
+            self.warned.clear();
+            return;
+        }
+        let mut seen_now: HashSet<&str> = HashSet::new();
+        for s in sets {
+            for name in s.keys() {
+                if !needed.iter().all(|&r| sets[r].contains_key(name)) {
+                    seen_now.insert(name);
+                }
+            }
+        }
+        self.first_seen.retain(|k, _| seen_now.contains(k.as_str()));
+        self.warned.retain(|k, _| seen_now.contains(k.as_str()));
+        let warning = self.cfg.stall_warning.as_millis() as u64;
+        let shutdown = Some(self.cfg.stall_shutdown)
+            .filter(|d| !d.is_zero() && *d > self.cfg.stall_warning)
+            .map(|d| d.as_millis() as u64);
+        let mut names: Vec<&str> = seen_now.into_iter().collect();
+        names.sort_unstable();
+        let mut warnings: Vec<String> = Vec::new();
+        for name in names {
+            let first = *self.first_seen.entry(name.to_string()).or_insert(clock);
+            let waited = clock.saturating_sub(first);
+            let have: Vec<usize> = (0..sets.len())
+                .filter(|&r| sets[r].contains_key(name))
+                .collect();
+            let missing: Vec<usize> = needed
+                .iter()
+                .copied()
+                .filter(|&r| !sets[r].contains_key(name))
+                .collect();
+            if shutdown.is_some_and(|s| waited >= s) {
+                failed.push((
+                    name.to_string(),
+                    CommError::InvalidArgument {
+                        op: "engine",
+                        detail: format!(
+                            "op '{name}' was submitted by ranks {have:?} but not by ranks \
+                             {missing:?} within {:?} (stalled)",
+                            self.cfg.stall_shutdown
+                        ),
+                    },
+                ));
+                self.first_seen.remove(name);
+                self.warned.remove(name);
+                continue;
+            }
+            let last = self.warned.get(name).copied().unwrap_or(first);
+            if waited >= warning && clock.saturating_sub(last) >= warning {
+                self.warned.insert(name.to_string(), clock);
+                warnings.push(format!("'{name}' (missing ranks {missing:?})"));
+            }
+        }
+        if warnings.is_empty() {
+            return;
+        }
+        if self.comm.rank() == 0 {
+            tracing::warn!(
+                ops = %warnings.join(", "),
+                after = ?self.cfg.stall_warning,
+                "stall check: ops submitted by some ranks are still waiting for the others; \
+                 one or more ranks may have stopped submitting them"
+            );
+        }
+        self.status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .stall_warnings += warnings.len() as u64;
     }
 
     fn gather(&mut self, mine: &Announce) -> Result<Vec<Announce>> {
@@ -1263,6 +1518,16 @@ mod tests {
                 Entry::Cached(7),
                 Entry::Full(sig("é", 0)),
             ],
+            setting: Some((
+                Setting {
+                    fusion_bytes: 3 << 20,
+                    cycle: Duration::from_micros(2500),
+                    cache: false,
+                    hierarchical_allreduce: true,
+                    hierarchical_allgather: false,
+                },
+                true,
+            )),
         };
         let b = a.encode();
         assert_eq!(Announce::decode(&b), Some((a.clone(), b.len())));

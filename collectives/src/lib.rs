@@ -16,7 +16,9 @@
 //! - `link`: sockets, abort, and the shut-everything-down path that turns a failure anywhere
 //!   into an error everywhere;
 //! - `pipeline`: the segment engine of the ring algorithms;
-//! - `comm`, `ops`: the communicator and its collectives.
+//! - `comm`, `ops`: the communicator and its collectives;
+//! - `engine`: the background engine (named async ops, fusion, the stall check);
+//! - `autotune`: the engine's knobs tuned on the running job by Bayesian optimisation.
 //!
 //! # Example
 //! ```
@@ -28,6 +30,7 @@
 //! # Ok::<(), hvd_collectives::CommError>(())
 //! ```
 
+pub mod autotune;
 mod buffer;
 mod cma;
 mod comm;
@@ -44,11 +47,12 @@ mod pipeline;
 mod timeline;
 mod wire;
 
+pub use autotune::{AutotuneConfig, Held, Setting};
 pub use buffer::HugeBuffer;
 pub use comm::Communicator;
 pub use config::{CommConfig, MAX_STREAMS};
 pub use dtype::{DType, Element, ReduceOp};
-pub use engine::{Buffer, Compression, Engine, EngineConfig, Handle, Submitter};
+pub use engine::{Buffer, Compression, Engine, EngineConfig, EngineStatus, Handle, Submitter};
 pub use error::{CommError, Result};
 pub use half::{bf16, f16};
 pub use link::AbortHandle;

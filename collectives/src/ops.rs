@@ -160,9 +160,10 @@ impl Communicator {
         let bytes = std::mem::size_of_val(buf);
         let mut mine = desc::<T>(kind, Some(op), seq, buf.len());
         mine.row_len = tensors as u64;
+        let hier = self.hier_allreduce;
         if let Some(mut h) = self
             .hier
-            .take_if(|_| allgather && self.cfg.small_bytes >= bytes)
+            .take_if(|_| allgather && hier && self.cfg.small_bytes >= bytes)
         {
             // Small, across hosts: on the host through the mailboxes, then across hosts; every
             // cross group adds the same host sums in the same order, so all ranks agree.
@@ -220,7 +221,7 @@ impl Communicator {
             buf.copy_from_slice(&acc);
             return Ok(());
         }
-        if let Some(mut h) = self.hier.take_if(|_| allgather) {
+        if let Some(mut h) = self.hier.take_if(|_| allgather && hier) {
             h.local.forget_timeouts();
             h.cross.forget_timeouts();
             let done = h.local.hierarchical(buf, op, tensors, &mut h.cross);

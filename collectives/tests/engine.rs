@@ -107,7 +107,8 @@ fn an_op_one_rank_never_submits_is_reported_as_a_stall() {
         let e = engine(
             comm,
             EngineConfig {
-                stall_timeout: Duration::from_millis(300),
+                stall_warning: Duration::from_millis(100),
+                stall_shutdown: Duration::from_millis(300),
                 ..EngineConfig::default()
             },
         );
@@ -122,9 +123,11 @@ fn an_op_one_rank_never_submits_is_reported_as_a_stall() {
             .allreduce_async("after", vec![2.0f64], ReduceOp::Product)
             .wait()
             .unwrap();
-        (err, t.elapsed(), after)
+        (err, t.elapsed(), after, e.status().stall_warnings)
     });
-    for (r, (err, took, after)) in out.into_iter().enumerate() {
+    for (r, (err, took, after, warnings)) in out.into_iter().enumerate() {
+        // Warned (after 100 ms, again after 200) before it failed at 300.
+        assert!(warnings >= 1, "rank {r}: {warnings} warnings");
         if r != 1 {
             let err = err.unwrap();
             assert!(
@@ -136,6 +139,55 @@ fn an_op_one_rank_never_submits_is_reported_as_a_stall() {
         }
         assert!(took < Duration::from_secs(5), "{took:?}");
         assert_eq!(after, vec![8.0], "the engine goes on after a stall");
+    }
+}
+
+/// Runs 'late' on a world of 3 where rank 1 submits it 400 ms after the others; returns every
+/// rank's result and stall warnings.
+fn late_op(cfg: EngineConfig) -> Vec<(Result<Vec<f32>, String>, u64)> {
+    world(3, |comm| {
+        let r = comm.rank();
+        let e = engine(comm, cfg.clone());
+        if r == 1 {
+            std::thread::sleep(Duration::from_millis(400));
+        }
+        let got = e
+            .allreduce_async("late", vec![1.0f32], ReduceOp::Sum)
+            .wait()
+            .map_err(|e| e.to_string());
+        (got, e.status().stall_warnings)
+    })
+}
+
+#[test]
+fn a_late_op_is_warned_of_but_not_failed_without_a_shutdown_time() {
+    let cfg = EngineConfig {
+        stall_warning: Duration::from_millis(100),
+        ..EngineConfig::default()
+    };
+    let out = late_op(cfg);
+    for (r, (got, warnings)) in out.into_iter().enumerate() {
+        assert_eq!(got, Ok(vec![3.0]), "rank {r}");
+        assert!(
+            warnings >= 1,
+            "rank {r}: the stall is warned of ({warnings})"
+        );
+        // Once per warning period, not every cycle (a 1 ms cycle would give hundreds).
+        assert!(warnings <= 5, "rank {r}: {warnings} warnings");
+    }
+}
+
+#[test]
+fn a_disabled_stall_check_neither_warns_nor_fails() {
+    let cfg = EngineConfig {
+        stall_warning: Duration::from_millis(50),
+        stall_shutdown: Duration::from_millis(100),
+        stall_check: false,
+        ..EngineConfig::default()
+    };
+    for (r, (got, warnings)) in late_op(cfg).into_iter().enumerate() {
+        assert_eq!(got, Ok(vec![3.0]), "rank {r}");
+        assert_eq!(warnings, 0, "rank {r}");
     }
 }
 

@@ -57,6 +57,9 @@ pub struct Launch {
     /// Hierarchical allreduce across hosts (`HOROVOD_HIERARCHICAL_ALLREDUCE`): `1` asks for
     /// it, `0` forbids it, unset lets the communicator choose.
     pub hierarchical: Option<bool>,
+    /// Hierarchical allgather across hosts (`HOROVOD_HIERARCHICAL_ALLGATHER`), as
+    /// [`Launch::hierarchical`].
+    pub hierarchical_allgather: Option<bool>,
     /// TCP connections to each peer (`HVD_TCP_STREAMS`, default 1).
     pub streams: usize,
     /// Whether the job is elastic (`HOROVOD_ELASTIC=1`).
@@ -155,27 +158,18 @@ impl Launch {
             bind_addr: env.var(rv::ENV_BIND_ADDR).filter(|s| !s.is_empty()),
             interface: env.var(rv::ENV_NETWORK_INTERFACE).filter(|s| !s.is_empty()),
             progress_timeout: seconds(env, rv::ENV_COLLECTIVE_TIMEOUT, 5.0)?,
-            arrival_timeout: seconds(env, rv::ENV_ARRIVAL_TIMEOUT, 300.0)?,
+            // Horovod's Gloo timeout bounds the same wait, unless hvd's own variable is set.
+            arrival_timeout: match env.var(rv::ENV_ARRIVAL_TIMEOUT) {
+                None => seconds(env, rv::ENV_GLOO_TIMEOUT_SECONDS, 300.0)?,
+                Some(_) => seconds(env, rv::ENV_ARRIVAL_TIMEOUT, 300.0)?,
+            },
             start_timeout: seconds(env, rv::ENV_START_TIMEOUT, 30.0)?,
             worker: 0,
             same_host_copy: env
                 .var(rv::ENV_SAME_HOST_COPY)
                 .is_none_or(|v| v.trim() != "0"),
-            hierarchical: match env
-                .var(rv::ENV_HIERARCHICAL_ALLREDUCE)
-                .as_deref()
-                .map(str::trim)
-            {
-                None | Some("") => None,
-                Some("1") => Some(true),
-                Some("0") => Some(false),
-                Some(v) => {
-                    return Err(Error::Env {
-                        var: rv::ENV_HIERARCHICAL_ALLREDUCE,
-                        detail: format!("'{v}' is neither 0 nor 1"),
-                    });
-                }
-            },
+            hierarchical: crate::switch(env, rv::ENV_HIERARCHICAL_ALLREDUCE)?,
+            hierarchical_allgather: crate::switch(env, rv::ENV_HIERARCHICAL_ALLGATHER)?,
             streams: match env.var(rv::ENV_TCP_STREAMS).as_deref().map(str::trim) {
                 None | Some("") => 1,
                 Some(v) => match v.parse::<usize>() {

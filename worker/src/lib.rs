@@ -34,8 +34,9 @@ use std::time::Duration;
 
 pub use error::{Error, Result};
 pub use hvd_collectives::{
-    AbortHandle, Buffer, CommError, Communicator, Compression, DType, Element, Engine,
-    EngineConfig, Handle, HugeBuffer, ReduceOp, Submitter, Timeline, bf16, f16, malloc_huge_pages,
+    AbortHandle, AutotuneConfig, Buffer, CommError, Communicator, Compression, DType, Element,
+    Engine, EngineConfig, EngineStatus, Handle, Held, HugeBuffer, ReduceOp, Setting, Submitter,
+    Timeline, bf16, f16, malloc_huge_pages,
 };
 pub use hvd_rendezvous::Placement;
 pub use launch::{Env, Launch, ProcessEnv};
@@ -253,6 +254,7 @@ fn enter(session: &mut Session, mut round: client::Round) -> Result<(Topology, C
         cfg.connect_timeout = l.start_timeout.max(Duration::from_secs(1));
         cfg.same_host_copy = l.same_host_copy;
         cfg.hierarchical = l.hierarchical;
+        cfg.hierarchical_allgather = l.hierarchical_allgather;
         cfg.streams = l.streams;
         session.generation = world.generation;
         session.updates_through = world.updates_through;
@@ -449,14 +451,49 @@ pub fn is_homogeneous() -> Result<bool> {
     Ok(topology()?.homogeneous)
 }
 
-/// The engine settings from the launcher's environment (`HOROVOD_CYCLE_TIME` in ms,
-/// `HOROVOD_FUSION_THRESHOLD` in bytes, `HOROVOD_STALL_CHECK_TIME_SECONDS`,
-/// `HOROVOD_CACHE_CAPACITY`), defaults otherwise.
+/// The engine settings from the launcher's environment, defaults otherwise:
+/// `HOROVOD_CYCLE_TIME` (ms), `HOROVOD_FUSION_THRESHOLD` (bytes), `HOROVOD_CACHE_CAPACITY`;
+/// the stall check (`HOROVOD_STALL_CHECK_TIME_SECONDS`, `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`,
+/// `HOROVOD_STALL_CHECK_DISABLE`); autotune (`HOROVOD_AUTOTUNE` and its `HOROVOD_AUTOTUNE_*`
+/// settings; a knob whose variable is set is held there); `HOROVOD_THREAD_AFFINITY`; and
+/// `HOROVOD_NUM_NCCL_STREAMS`, checked but without effect in a build without NCCL.
 ///
 /// # Errors
-/// [`Error::Env`] naming a variable that is not a non-negative number.
+/// [`Error::Env`] naming a malformed variable and its value.
 pub fn engine_config() -> Result<EngineConfig> {
     engine_config_from(&ProcessEnv)
+}
+
+/// The value of `var` parsed as `T` where `ok` holds; `what` says what it must be.
+fn parsed<T: std::str::FromStr>(
+    env: &dyn Env,
+    var: &'static str,
+    what: &str,
+    ok: impl Fn(&T) -> bool,
+) -> Result<Option<T>> {
+    match env.var(var) {
+        None => Ok(None),
+        Some(v) => match v.trim().parse::<T>() {
+            Ok(x) if ok(&x) => Ok(Some(x)),
+            _ => Err(Error::Env {
+                var,
+                detail: format!("'{v}' is not {what}"),
+            }),
+        },
+    }
+}
+
+/// A `0`/`1` variable: `None` when unset or empty.
+pub(crate) fn switch(env: &dyn Env, var: &'static str) -> Result<Option<bool>> {
+    match env.var(var).as_deref().map(str::trim) {
+        None | Some("") => Ok(None),
+        Some("1") => Ok(Some(true)),
+        Some("0") => Ok(Some(false)),
+        Some(v) => Err(Error::Env {
+            var,
+            detail: format!("'{v}' is neither 0 nor 1"),
+        }),
+    }
 }
 
 /// [`engine_config`] reading from `env`.
@@ -464,33 +501,72 @@ pub fn engine_config() -> Result<EngineConfig> {
 /// # Errors
 /// As [`engine_config`].
 pub fn engine_config_from(env: &dyn Env) -> Result<EngineConfig> {
-    let number = |var: &'static str| -> Result<Option<f64>> {
-        match env.var(var) {
-            None => Ok(None),
-            Some(v) => match v.trim().parse::<f64>() {
-                Ok(x) if x.is_finite() && x >= 0.0 => Ok(Some(x)),
-                _ => Err(Error::Env {
-                    var,
-                    detail: format!("'{v}' is not a non-negative number"),
-                }),
-            },
-        }
+    use hvd_rendezvous as rv;
+    let number = |var| {
+        parsed::<f64>(env, var, "a non-negative number", |x| {
+            x.is_finite() && *x >= 0.0
+        })
     };
+    let count = |var| parsed::<usize>(env, var, "a non-negative integer", |_| true);
+    let positive = |var| parsed::<usize>(env, var, "a positive integer", |k| *k > 0);
     let mut cfg = EngineConfig::default();
-    if let Some(ms) = number(hvd_rendezvous::ENV_CYCLE_TIME)? {
+    let cycle = number(rv::ENV_CYCLE_TIME)?;
+    if let Some(ms) = cycle {
         cfg.cycle = Duration::from_secs_f64(ms / 1000.0);
     }
-    if let Some(b) = number(hvd_rendezvous::ENV_FUSION_THRESHOLD)? {
+    let fusion = number(rv::ENV_FUSION_THRESHOLD)?;
+    if let Some(b) = fusion {
         cfg.fusion_bytes = b as usize;
     }
-    if let Some(s) = number(hvd_rendezvous::ENV_STALL_CHECK_TIME)? {
-        cfg.stall_timeout = Duration::from_secs_f64(s);
+    if let Some(s) = number(rv::ENV_STALL_CHECK_TIME)? {
+        cfg.stall_warning = Duration::from_secs_f64(s);
     }
-    if let Some(v) = env.var(hvd_rendezvous::ENV_CACHE_CAPACITY) {
-        cfg.cache_capacity = v.trim().parse().map_err(|_| Error::Env {
-            var: hvd_rendezvous::ENV_CACHE_CAPACITY,
-            detail: format!("'{v}' is not a non-negative integer"),
-        })?;
+    if let Some(s) = number(rv::ENV_STALL_SHUTDOWN_TIME)? {
+        cfg.stall_shutdown = Duration::from_secs_f64(s);
+    }
+    cfg.stall_check = switch(env, rv::ENV_STALL_CHECK_DISABLE)? != Some(true);
+    let cache = count(rv::ENV_CACHE_CAPACITY)?;
+    if let Some(c) = cache {
+        cfg.cache_capacity = c;
+    }
+    cfg.thread_affinity = count(rv::ENV_THREAD_AFFINITY)?;
+    if positive(rv::ENV_NUM_NCCL_STREAMS)?.is_some() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            tracing::debug!("HOROVOD_NUM_NCCL_STREAMS has no effect: this build has no NCCL");
+        });
+    }
+    if switch(env, rv::ENV_AUTOTUNE)? == Some(true) {
+        let mut a = hvd_collectives::AutotuneConfig::default();
+        a.log = env
+            .var(rv::ENV_AUTOTUNE_LOG)
+            .filter(|p| !p.trim().is_empty())
+            .map(std::path::PathBuf::from);
+        if let Some(k) = count(rv::ENV_AUTOTUNE_WARMUP_SAMPLES)? {
+            a.warmup_samples = k;
+        }
+        if let Some(k) = positive(rv::ENV_AUTOTUNE_STEPS_PER_SAMPLE)? {
+            a.steps_per_sample = k;
+        }
+        if let Some(k) = positive(rv::ENV_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)? {
+            a.max_samples = k;
+        }
+        if let Some(x) = parsed::<f64>(
+            env,
+            rv::ENV_AUTOTUNE_GAUSSIAN_PROCESS_NOISE,
+            "a number from 0 to 1",
+            |x| (0.0..=1.0).contains(x),
+        )? {
+            a.noise = x;
+        }
+        a.held = hvd_collectives::Held {
+            fusion: fusion.is_some(),
+            cycle: cycle.is_some(),
+            cache: cache.is_some(),
+            hierarchical_allreduce: switch(env, rv::ENV_HIERARCHICAL_ALLREDUCE)?.is_some(),
+            hierarchical_allgather: switch(env, rv::ENV_HIERARCHICAL_ALLGATHER)?.is_some(),
+        };
+        cfg.autotune = Some(a);
     }
     Ok(cfg)
 }

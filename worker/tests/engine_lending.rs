@@ -64,7 +64,10 @@ fn engine_settings_come_from_horovod_s_variables() {
     let cfg = hvd::engine_config_from(&env).unwrap();
     assert_eq!(cfg.cycle, Duration::from_micros(2500));
     assert_eq!(cfg.fusion_bytes, 0);
-    assert_eq!(cfg.stall_timeout, Duration::from_secs(7));
+    assert_eq!(cfg.stall_warning, Duration::from_secs(7));
+    assert_eq!(cfg.stall_shutdown, Duration::ZERO, "never, unless set");
+    assert!(cfg.stall_check);
+    assert!(cfg.autotune.is_none());
     assert_eq!(cfg.cache_capacity, 16);
     let bad: HashMap<String, String> =
         [("HOROVOD_CACHE_CAPACITY".to_string(), "1.5".to_string())].into();
