@@ -5,6 +5,7 @@ mod cli;
 mod elastic;
 mod hosts;
 mod job;
+mod metrics;
 mod rendezvous;
 mod status;
 

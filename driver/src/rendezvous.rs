@@ -18,6 +18,8 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
+use crate::metrics::Progress;
+
 const FIRST_LINE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How often registered workers are pinged: often enough that a live one is never near the
@@ -105,15 +107,38 @@ pub async fn serve(
     max_worker: Option<u64>,
     events: mpsc::Sender<Wire>,
 ) {
+    accept(listener, secret, max_worker, None, events).await;
+}
+
+/// [`serve`] for an elastic job, whose rank 0 also reports its training progress: each
+/// report goes to `progress` with the reporting worker's id, or is dropped when the job loop
+/// is behind (the next one is a few seconds away).
+pub async fn serve_reporting(
+    listener: TcpListener,
+    secret: String,
+    progress: mpsc::Sender<(u64, Progress)>,
+    events: mpsc::Sender<Wire>,
+) {
+    accept(listener, secret, None, Some(progress), events).await;
+}
+
+async fn accept(
+    listener: TcpListener,
+    secret: String,
+    max_worker: Option<u64>,
+    progress: Option<mpsc::Sender<(u64, Progress)>>,
+    events: mpsc::Sender<Wire>,
+) {
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             continue;
         };
         // A dual-stack listener sees IPv4 peers as mapped IPv6; log them as people write them.
         let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
-        let (secret, events) = (secret.clone(), events.clone());
+        let (secret, events, progress) = (secret.clone(), events.clone(), progress.clone());
         tokio::spawn(async move {
-            if let Err(reason) = handle(stream, peer, &secret, max_worker, events).await {
+            let sinks = Sinks { events, progress };
+            if let Err(reason) = handle(stream, peer, &secret, max_worker, sinks).await {
                 tracing::warn!(%peer, %reason, "rendezvous connection refused");
             }
         });
@@ -164,13 +189,21 @@ async fn refuse_sealed(mut w: OwnedWriteHalf, sealer: &mut Sealer, reason: Strin
     reason
 }
 
+/// Where a connection's messages go: the job loop's events, and rank 0's progress reports
+/// where the job takes them.
+struct Sinks {
+    events: mpsc::Sender<Wire>,
+    progress: Option<mpsc::Sender<(u64, Progress)>>,
+}
+
 async fn handle(
     stream: TcpStream,
     peer: SocketAddr,
     secret: &str,
     max_worker: Option<u64>,
-    events: mpsc::Sender<Wire>,
+    sinks: Sinks,
 ) -> Result<(), String> {
+    let Sinks { events, progress } = sinks;
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
     let (r, mut w) = stream.into_split();
     let mut reader = BufReader::new(r);
@@ -288,6 +321,21 @@ async fn handle(
             WorkerMsg::Pong { .. } => {
                 if events.send(Wire::Pong { worker }).await.is_err() {
                     return Ok(());
+                }
+            }
+            WorkerMsg::Progress {
+                steps,
+                allreduces,
+                allreduce_bytes,
+                ..
+            } => {
+                if let Some(p) = &progress {
+                    let report = Progress {
+                        steps,
+                        allreduces,
+                        allreduce_bytes,
+                    };
+                    let _ = p.try_send((worker, report));
                 }
             }
             WorkerMsg::Register { .. } => {

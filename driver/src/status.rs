@@ -1,15 +1,20 @@
-//! `GET /status`: the elastic job's state as JSON, for the Kubernetes operator (the driver's
-//! pod may only read pods, so the operator polls this and writes the job's status itself).
-//! Served by `hvd-serve`'s minimal HTTP/1.1 server.
+//! The driver's HTTP API on `--status-port`: `GET /status`, the elastic job's state as JSON,
+//! for the Kubernetes operator (the driver's pod may only read pods, so the operator polls this
+//! and writes the job's status itself), and `GET /metrics`, the job's metrics for Prometheus.
+//! [`router`] builds it; `hvd-serve` serves it.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use hvd_serve::Response;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use hvd_serve::Router;
 use serde::Serialize;
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::elastic::core::{JobPhase, Snapshot};
+use crate::metrics::Metrics;
 
 /// The state the endpoint serves: the core's snapshot and the wall-clock time of the core's
 /// zero, to turn its cooldown ends into Unix times.
@@ -45,7 +50,8 @@ struct Blacklisted<'a> {
     until_ms: Option<u64>,
 }
 
-fn phase_name(p: JobPhase) -> &'static str {
+/// The name of a phase, as `/status` and the metrics' `phase` label write it.
+pub fn phase_name(p: JobPhase) -> &'static str {
     match p {
         JobPhase::Pending => "Pending",
         JobPhase::Running => "Running",
@@ -89,28 +95,39 @@ pub fn render(p: &Published) -> String {
         .unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }).to_string())
 }
 
-/// The answer to a GET of `path`.
-fn reply(path: &str, state: &Published) -> Response {
-    match path {
-        "/status" => Response::json("200 OK", render(state)),
-        other => Response::error(
-            "404 Not Found",
-            &format!("no such path: {other}; try /status"),
-        ),
-    }
+/// What the handlers read: the latest published state and the metrics.
+#[derive(Clone)]
+struct Api {
+    state: watch::Receiver<Published>,
+    metrics: Metrics,
 }
 
-/// Serves `GET /status` on `listener` with the latest state from `state`, until aborted.
-pub async fn serve(listener: TcpListener, state: watch::Receiver<Published>) {
-    hvd_serve::serve(listener, "status endpoint", move |path: &str| {
-        reply(path, &state.borrow())
-    })
-    .await;
+/// The driver's API: `GET /status` from the latest `state`, `GET /metrics` from `metrics`;
+/// another method gets 405, another path a JSON 404.
+pub fn router(state: watch::Receiver<Published>, metrics: Metrics) -> Router {
+    Router::new()
+        .route("/status", get(status))
+        .route("/metrics", get(metrics_text))
+        .fallback(hvd_serve::not_found("/status or /metrics"))
+        .with_state(Api { state, metrics })
+}
+
+async fn status(State(api): State<Api>) -> Response {
+    let body = render(&api.state.borrow());
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn metrics_text(State(api): State<Api>) -> Response {
+    hvd_serve::metrics::response(api.metrics.registry())
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use axum::body::Body;
+    use axum::http::{Method, Request, StatusCode};
+    use tower::ServiceExt;
+
     use super::*;
 
     fn published() -> Published {
@@ -127,21 +144,61 @@ mod tests {
         }
     }
 
-    #[test]
-    fn other_paths_are_json_errors_naming_them() {
-        let p = published();
-        let r = reply("/caf\u{e9}\"\\\t", &p);
-        assert_eq!(r.status, "404 Not Found");
-        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
-        assert_eq!(
-            v["error"], "no such path: /caf\u{e9}\"\\\t; try /status",
-            "{}",
-            r.body
-        );
-        let r = reply("/status", &p);
-        assert_eq!((r.status, r.content_type), ("200 OK", "application/json"));
-        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    async fn get(app: Router, method: Method, path: &str) -> (StatusCode, String, String) {
+        let r = app
+            .oneshot(
+                Request::builder()
+                    .method(method)
+                    .uri(path)
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        let status = r.status();
+        let kind = r
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        let bytes = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
+        (status, kind, String::from_utf8(bytes.to_vec()).unwrap())
+    }
+
+    fn app() -> (Router, watch::Sender<Published>) {
+        let (tx, rx) = watch::channel(published());
+        (router(rx, Metrics::new(0)), tx)
+    }
+
+    #[tokio::test]
+    async fn status_metrics_and_json_errors_without_a_socket() {
+        let (app, tx) = app();
+        let (code, kind, body) = get(app.clone(), Method::GET, "/status").await;
+        assert_eq!((code, kind.as_str()), (StatusCode::OK, "application/json"));
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(v["hosts"][0]["host"], "h\u{e9}");
+        // The latest state is served.
+        tx.send_modify(|p| p.snapshot.generation = 9);
+        let (_, _, body) = get(app.clone(), Method::GET, "/status").await;
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["generation"], 9);
+        let (code, kind, body) = get(app.clone(), Method::GET, "/metrics").await;
+        assert_eq!(
+            (code, kind.as_str()),
+            (StatusCode::OK, hvd_serve::metrics::CONTENT_TYPE)
+        );
+        assert!(body.contains("# TYPE hvd_resets_total counter\n"), "{body}");
+        let (code, _, body) = get(app.clone(), Method::GET, "/caf%C3%A9").await;
+        assert_eq!(code, StatusCode::NOT_FOUND);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            v["error"], "no such path: /caf%C3%A9; try /status or /metrics",
+            "{body}"
+        );
+        for path in ["/status", "/metrics"] {
+            let (code, _, _) = get(app.clone(), Method::POST, path).await;
+            assert_eq!(code, StatusCode::METHOD_NOT_ALLOWED, "{path}");
+        }
     }
 
     #[test]

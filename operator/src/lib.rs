@@ -10,13 +10,15 @@
 //! - [`driver_status`]: the driver's `GET /status` report and a minimal client for it.
 //! - [`reconcile`]: the kube-rs controller that observes, plans, applies and reports.
 //! - [`leader`]: running the controller only while holding the Lease.
-//! - [`probes`]: the `/healthz` and `/readyz` answers.
+//! - [`probes`]: the HTTP endpoint: `/healthz`, `/readyz` and `/metrics`.
+//! - [`metrics`]: the operator's metrics (reconciles, errors, durations).
 
 pub mod crd;
 mod driver_fate;
 pub mod driver_status;
 mod error;
 pub mod leader;
+pub mod metrics;
 pub mod plan;
 pub mod probes;
 pub mod reconcile;

@@ -3,7 +3,7 @@
 //! `hvd-operator [--namespace NS] [--leader-elect --lease-name NAME --lease-namespace NS]
 //! [--probe-port PORT]`; `RUST_LOG` sets the log level. SIGTERM or SIGINT stops it gracefully.
 //! `GET /healthz` and `GET /readyz` on the probe port (8081; 0 turns them off) are for the
-//! kubelet.
+//! kubelet, `GET /metrics` there for Prometheus.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -11,7 +11,8 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use hvd_operator::leader::{Leadership, lead};
-use hvd_operator::probes::Health;
+use hvd_operator::metrics::Metrics;
+use hvd_operator::probes::{self, Health};
 use hvd_operator::reconcile::{Context, run};
 use kube::Client;
 use kube_lease_manager::LeaseManagerBuilder;
@@ -46,8 +47,8 @@ struct Cli {
     /// This instance's identity as a Lease holder and Event reporter (default: POD_NAME).
     #[arg(long, value_name = "ID", env = "POD_NAME")]
     identity: Option<String>,
-    /// Port of `GET /healthz` (liveness) and `GET /readyz` (readiness: the Kubernetes API
-    /// answered), on every interface; 0 serves neither.
+    /// Port of `GET /healthz` (liveness), `GET /readyz` (readiness: the Kubernetes API
+    /// answered) and `GET /metrics` (Prometheus), on every interface; 0 serves none.
     #[arg(long, value_name = "PORT", default_value_t = 8081)]
     probe_port: u16,
 }
@@ -125,17 +126,22 @@ fn main() -> ExitCode {
 /// Runs the controller, under leader election when asked, until SIGTERM or SIGINT.
 async fn operate(cli: Cli) -> anyhow::Result<()> {
     let health = Health::new();
+    let metrics = Metrics::new();
     if cli.probe_port != 0 {
         let listener = hvd_serve::bind_any(cli.probe_port, "probe endpoint")
             .await
             .with_context(|| format!("cannot listen on --probe-port {}", cli.probe_port))?;
-        tracing::info!(port = cli.probe_port, "probes at /healthz and /readyz");
-        let h = health.clone();
-        tokio::spawn(hvd_serve::serve(
-            listener,
-            "probe endpoint",
-            move |path: &str| h.answer(path),
-        ));
+        tracing::info!(
+            port = cli.probe_port,
+            "probes at /healthz and /readyz, metrics at /metrics"
+        );
+        let app = probes::router(health.clone(), metrics.clone());
+        // Served until the process exits: the kubelet probes a stopping operator too.
+        tokio::spawn(async move {
+            if let Err(e) = hvd_serve::serve(listener, app, std::future::pending()).await {
+                tracing::error!(error = %e, "the probe endpoint failed");
+            }
+        });
     }
     let client = Client::try_default()
         .await
@@ -155,7 +161,8 @@ async fn operate(cli: Cli) -> anyhow::Result<()> {
     };
     tracing::info!(version = %version.git_version, "Kubernetes API reached");
     health.ready();
-    let ctx = Context::new(client.clone(), cli.identity.clone());
+    let mut ctx = Context::new(client.clone(), cli.identity.clone());
+    ctx.metrics = metrics;
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let h = health.clone();

@@ -22,6 +22,7 @@ use tracing::{debug, info, warn};
 use crate::crd::ElasticJob;
 use crate::driver_status::{self, DriverStatus};
 use crate::error::Error;
+use crate::metrics::Metrics;
 use crate::plan::{
     Action, DeleteReason, REASON_RESTARTS_EXHAUSTED, finished, owned_by, plan, status,
 };
@@ -45,6 +46,8 @@ pub struct Context {
     pub status_port: u16,
     /// How long to wait for a driver's status.
     pub status_timeout: Duration,
+    /// Where reconciles are counted and timed.
+    pub metrics: Metrics,
 }
 
 impl Context {
@@ -59,6 +62,7 @@ impl Context {
             client,
             status_port: STATUS_PORT,
             status_timeout: Duration::from_secs(2),
+            metrics: Metrics::new(),
         }
     }
 }
@@ -68,6 +72,15 @@ impl Context {
 /// # Errors
 /// [`Error`] when an API call fails; the controller retries after [`error_policy`]'s delay.
 pub async fn reconcile(job: Arc<ElasticJob>, ctx: Arc<Context>) -> Result<Requeue, Error> {
+    let began = tokio::time::Instant::now();
+    let metrics = ctx.metrics.clone();
+    let result = reconcile_job(job, ctx).await;
+    let error = result.as_ref().err().map(Error::metric_label);
+    metrics.reconciled(began.elapsed(), error);
+    result
+}
+
+async fn reconcile_job(job: Arc<ElasticJob>, ctx: Arc<Context>) -> Result<Requeue, Error> {
     let ns = job
         .namespace()
         .ok_or(Error::MissingField("metadata.namespace"))?;

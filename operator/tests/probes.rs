@@ -137,7 +137,11 @@ fn exit_within_30s(child: &mut Child, why: &str) -> std::process::ExitStatus {
 fn get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: probe\r\n\r\n").ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut text = String::new();
     s.read_to_string(&mut text).ok()?;
     let code = text.split(' ').nth(1)?.parse().ok()?;
@@ -171,7 +175,13 @@ fn not_ready_until_the_api_answers() {
         (code, body.as_str()),
         (503, "waiting for the Kubernetes API")
     );
-    let (code, body) = get(port, "/metrics").expect("any path answers");
+    let (code, body) = get(port, "/metrics").expect("metrics answer");
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains("# TYPE hvd_operator_reconciles_total counter"),
+        "{body}"
+    );
+    let (code, body) = get(port, "/livez").expect("any path answers");
     assert_eq!(code, 404, "{body}");
 }
 

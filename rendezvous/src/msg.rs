@@ -61,6 +61,19 @@ pub enum WorkerMsg {
         /// The worker's id.
         worker: u64,
     },
+    /// Rank 0's training progress since its process started, sent with its answer to a
+    /// [`DriverMsg::Ping`]: the driver turns successive reports into the job's step and
+    /// allreduce rates on its `/metrics`. Only rank 0 sends it; every rank trains in step.
+    Progress {
+        /// The worker's id.
+        worker: u64,
+        /// Training steps (commits of the elastic state).
+        steps: u64,
+        /// Allreduce calls.
+        allreduces: u64,
+        /// Bytes of the buffers allreduced.
+        allreduce_bytes: u64,
+    },
     /// The worker is leaving cleanly (`hvd::shutdown`).
     Goodbye {
         /// The worker's id.
@@ -253,6 +266,18 @@ mod tests {
         assert_eq!(line, b"{\"type\":\"pong\",\"worker\":7}\n");
         assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), pong);
         assert!(decode_line::<WorkerMsg>(br#"{"type":"pong"}"#).is_err());
+        let progress = WorkerMsg::Progress {
+            worker: 0,
+            steps: 12,
+            allreduces: 40,
+            allreduce_bytes: 1 << 20,
+        };
+        let line = encode_line(&progress).unwrap();
+        assert_eq!(
+            line,
+            b"{\"type\":\"progress\",\"worker\":0,\"steps\":12,\"allreduces\":40,\"allreduce_bytes\":1048576}\n"
+        );
+        assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), progress);
         // The secret never travels in a message.
         assert!(decode_line::<WorkerMsg>(br#"{"type":"pong","secret":"s","worker":7}"#).is_err());
     }

@@ -46,6 +46,9 @@ pub struct Record {
     pub started_unix_ms: u64,
     /// The elastic core: workers, rounds, blacklist, update ids, resets.
     pub core: serde_json::Value,
+    /// How many drivers took the job over from a predecessor so far.
+    #[serde(default)]
+    pub failovers: u64,
 }
 
 /// The active driver's link to the store.
@@ -57,6 +60,7 @@ pub struct Control {
     writer: tokio::task::JoinHandle<()>,
     args: Vec<String>,
     started_unix_ms: u64,
+    failovers: u64,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -114,6 +118,8 @@ impl Control {
         let started_unix_ms = record
             .as_ref()
             .map_or_else(|| unix_ms(SystemTime::now()), |r| r.started_unix_ms);
+        // Taking over a record is a failover: this driver is one more.
+        let failovers = record.as_ref().map_or(0, |r| r.failovers + 1);
         let leadership = Arc::new(leadership);
         let (latest, rx) = watch::channel(None);
         let (fenced_tx, fenced) = mpsc::channel(1);
@@ -132,6 +138,7 @@ impl Control {
                 writer,
                 args: spec.args.clone(),
                 started_unix_ms,
+                failovers,
             },
             record,
         ))
@@ -142,12 +149,18 @@ impl Control {
         UNIX_EPOCH + Duration::from_millis(self.started_unix_ms)
     }
 
+    /// How many drivers took the job over so far, this one included.
+    pub fn failovers(&self) -> u64 {
+        self.failovers
+    }
+
     /// Hands the core's state to the writer if it changed since the last time.
     pub fn publish(&self, core: &Core) {
         let record = core.save().map(|core| Record {
             args: self.args.clone(),
             started_unix_ms: self.started_unix_ms,
             core,
+            failovers: self.failovers,
         });
         match record.and_then(|r| serde_json::to_vec(&r)) {
             Ok(bytes) => {

@@ -27,6 +27,7 @@ use super::control::{Control, StoreSpec};
 use super::core::{Action, Config, Core, ExitInfo, Input, WorkerId};
 use crate::hosts;
 use crate::job::{Ended, Exit, Handle, LaunchMode, Launcher, new_secret, stop_workers};
+use crate::metrics::{Metrics, Observer};
 use crate::rendezvous::{self, Registration, Wire};
 use crate::status::{self, Published};
 
@@ -69,7 +70,8 @@ pub struct ElasticSpec {
     pub extra_env: Vec<(String, String)>,
     /// How workers are started.
     pub launch: LaunchMode,
-    /// Port of the `GET /status` endpoint, if one is wanted (0: any free port).
+    /// Port of the `GET /status` and `GET /metrics` endpoint, if one is wanted (0: any free
+    /// port).
     pub status_port: Option<u16>,
     /// A registered worker silent for longer is declared failed (`--heartbeat-timeout`).
     pub heartbeat_timeout: Duration,
@@ -142,6 +144,8 @@ struct Driver {
     /// Workers adopted from a predecessor (not this driver's children): their output files'
     /// tails stop when they are gone, and their end is learnt from their connection.
     adopted: HashMap<WorkerId, Arc<AtomicBool>>,
+    /// Turns what the loop sees into the metrics.
+    observer: Observer,
 }
 
 impl Driver {
@@ -153,6 +157,7 @@ impl Driver {
         let mut queue = vec![input];
         while let Some(input) = queue.pop() {
             let now = self.now();
+            self.observer.input(now, &input, &self.core);
             for action in self.core.handle(now, input) {
                 if let Some(more) = self.apply(action) {
                     queue.push(more);
@@ -580,11 +585,12 @@ fn step_down(why: &str) -> ! {
 }
 
 /// Forwards every host set (or failure) of a pod watch until the job ends.
-async fn watch_pods(sel: PodSelector, tx: mpsc::Sender<Input>) {
+async fn watch_pods(sel: PodSelector, tx: mpsc::Sender<Input>, metrics: Metrics) {
     let (ktx, mut krx) = mpsc::channel(4);
     // Ends by itself once `krx` is dropped, when this task is aborted with the job.
     tokio::spawn(kubernetes::watch(sel, ktx));
     while let Some(result) = krx.recv().await {
+        metrics.discovery_run(None, result.is_err());
         let input = match result {
             Ok(hosts) => Input::Discovered(hosts),
             Err(e) => Input::DiscoveryFailed(e.to_string()),
@@ -596,15 +602,20 @@ async fn watch_pods(sel: PodSelector, tx: mpsc::Sender<Input>) {
 }
 
 /// Polls the host source forever, sending each result; a pod watch sends as pods change.
-async fn poll(source: Source, interval: Duration, tx: mpsc::Sender<Input>) {
+async fn poll(source: Source, interval: Duration, tx: mpsc::Sender<Input>, metrics: Metrics) {
     loop {
         let input = match &source {
             Source::Fixed(h) => Input::Discovered(h.clone()),
-            Source::Script(s) => match s.discover().await {
-                Ok(h) => Input::Discovered(h),
-                Err(e) => Input::DiscoveryFailed(e.to_string()),
-            },
-            Source::Kubernetes(sel) => return watch_pods(sel.clone(), tx).await,
+            Source::Script(s) => {
+                let began = Instant::now();
+                let found = s.discover().await;
+                metrics.discovery_run(Some(began.elapsed()), found.is_err());
+                match found {
+                    Ok(h) => Input::Discovered(h),
+                    Err(e) => Input::DiscoveryFailed(e.to_string()),
+                }
+            }
+            Source::Kubernetes(sel) => return watch_pods(sel.clone(), tx, metrics).await,
         };
         if tx.send(input).await.is_err() {
             return;
@@ -648,9 +659,21 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     let port = listener.local_addr()?.port();
     tracing::debug!(port, "rendezvous listening");
     let (wire_tx, mut wire_rx) = mpsc::channel::<Wire>(256);
-    let server = tokio::spawn(rendezvous::serve(listener, secret.clone(), None, wire_tx));
+    let (progress_tx, mut progress_rx) = mpsc::channel(16);
+    let server = tokio::spawn(rendezvous::serve_reporting(
+        listener,
+        secret.clone(),
+        progress_tx,
+        wire_tx,
+    ));
+    let metrics = Metrics::new(control.as_ref().map_or(0, Control::failovers));
     let (disc_tx, mut disc_rx) = mpsc::channel::<Input>(4);
-    let poller = tokio::spawn(poll(spec.source.clone(), spec.interval, disc_tx));
+    let poller = tokio::spawn(poll(
+        spec.source.clone(),
+        spec.interval,
+        disc_tx,
+        metrics.clone(),
+    ));
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let (core, t0, epoch) = match (&record, &control) {
@@ -679,13 +702,22 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         snapshot: core.snapshot(Duration::ZERO),
         epoch,
     });
+    let observer = Observer::new(metrics.clone(), t0.elapsed(), &core.snapshot(t0.elapsed()));
+    let (stop_status, status_stopped) = tokio::sync::oneshot::channel::<()>();
     let status_server = match spec.status_port {
         Some(port) => {
             let listener = hvd_serve::bind_any(port, "status endpoint")
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot serve --status-port {port}: {e}"))?;
-            tracing::info!(addr = %listener.local_addr()?, "status endpoint listening on GET /status");
-            Some(tokio::spawn(status::serve(listener, status_rx)))
+            tracing::info!(addr = %listener.local_addr()?, "status endpoint listening on GET /status and GET /metrics");
+            let stopped = async {
+                let _ = status_stopped.await;
+            };
+            Some(tokio::spawn(hvd_serve::serve(
+                listener,
+                status::router(status_rx, metrics),
+                stopped,
+            )))
         }
         None => None,
     };
@@ -734,6 +766,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         ending: None,
         awaiting: HashMap::new(),
         adopted: HashMap::new(),
+        observer,
     };
     if record.is_some() {
         // Every live worker of the predecessor gets the heartbeat timeout to reconnect (they
@@ -796,6 +829,10 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             }
             () = sleep_until(tick) => d.feed(Input::Tick),
             _ = pings.tick() => d.ping(),
+            Some((worker, p)) = progress_rx.recv() => {
+                let now = d.now();
+                d.observer.progress(now, worker, p);
+            }
             () = sleep_until(silence) => {
                 // Answers already queued count: a driver that was itself held up must not
                 // blame the workers for it.
@@ -807,10 +844,9 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             _ = sigint.recv() => interrupted = Some(Signal::SIGINT),
             _ = sigterm.recv() => on_sigterm(control.is_some(), &mut interrupted, &mut handing_over),
         }
-        status_tx.send_replace(Published {
-            snapshot: d.core.snapshot(d.now()),
-            epoch,
-        });
+        let snapshot = d.core.snapshot(d.now());
+        d.observer.snapshot(d.now(), &snapshot);
+        status_tx.send_replace(Published { snapshot, epoch });
         if let Some(c) = &control {
             c.publish(&d.core);
         }
@@ -829,8 +865,16 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     drop(targets);
     d.launcher.agents = None; // closes the agent connections: nothing is left running there
     server.abort();
-    if let Some(s) = status_server {
-        s.abort();
+    let _ = stop_status.send(());
+    if let Some(mut s) = status_server {
+        // Its answers are short; one that hangs does not hold the job's end up.
+        if tokio::time::timeout(Duration::from_secs(1), &mut s)
+            .await
+            .is_err()
+        {
+            tracing::debug!("the status endpoint did not stop in time");
+            s.abort();
+        }
     }
     d.regs.clear();
     for ended in d.adopted.values() {
