@@ -37,6 +37,54 @@ pub(crate) enum Round {
     Removed(String),
 }
 
+/// This process's training progress since it started: rank 0 reports it to the driver with
+/// each answer to a ping ([`WorkerMsg::Progress`]), which makes the job's step and allreduce
+/// rates of it.
+#[derive(Debug)]
+pub(crate) struct Progress {
+    steps: AtomicU64,
+    allreduces: AtomicU64,
+    allreduce_bytes: AtomicU64,
+}
+
+/// The progress of this process.
+static PROGRESS: Progress = Progress::new();
+
+impl Progress {
+    const fn new() -> Self {
+        Self {
+            steps: AtomicU64::new(0),
+            allreduces: AtomicU64::new(0),
+            allreduce_bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// The report of `worker`'s counts so far.
+    fn report(&self, worker: u64) -> WorkerMsg {
+        WorkerMsg::Progress {
+            worker,
+            steps: self.steps.load(Ordering::Relaxed),
+            allreduces: self.allreduces.load(Ordering::Relaxed),
+            allreduce_bytes: self.allreduce_bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Counts one training step (a commit of the elastic state).
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn count_step() {
+    PROGRESS.steps.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Counts one allreduce of `bytes` bytes.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn count_allreduce(bytes: usize) {
+    PROGRESS.allreduces.fetch_add(1, Ordering::Relaxed);
+    PROGRESS
+        .allreduce_bytes
+        .fetch_add(u64::try_from(bytes).unwrap_or(u64::MAX), Ordering::Relaxed);
+}
+
 /// What the reader thread has seen of host changes and failed rounds.
 #[derive(Debug, Default)]
 pub(crate) struct Inbox {
@@ -44,6 +92,8 @@ pub(crate) struct Inbox {
     pub latest_update: AtomicU64,
     /// The newest round the driver placed this worker in (0: none yet).
     generation: AtomicU64,
+    /// This worker is rank 0 of its newest round: it reports the job's progress.
+    rank0: AtomicBool,
     /// A join request the driver has not answered yet: sent again to a driver that took
     /// over, which never saw it.
     pending_join: Mutex<Option<WorkerMsg>>,
@@ -286,6 +336,9 @@ impl Client {
                 self.inbox
                     .generation
                     .fetch_max(generation, Ordering::SeqCst);
+                self.inbox
+                    .rank0
+                    .store(placement.rank == 0, Ordering::SeqCst);
                 *self
                     .inbox
                     .pending_join
@@ -542,6 +595,9 @@ fn spawn_reader(mut reader: BufReader<TcpStream>, r: Reader) {
                             // Answered from this thread, so a long training step never looks
                             // like a frozen process.
                             let _ = send(&answer, &WorkerMsg::Pong { worker });
+                            if inbox.rank0.load(Ordering::SeqCst) {
+                                let _ = send(&answer, &PROGRESS.report(worker));
+                            }
                         }
                         Ok(msg) => {
                             // The receiver is gone only while the process is exiting.
@@ -614,5 +670,33 @@ mod tests {
         assert!(!next.abort_handle().is_aborted());
         inbox.abort(2, "again");
         assert!(!next.abort_handle().is_aborted());
+    }
+
+    #[test]
+    fn progress_reports_count_steps_allreduces_and_bytes() {
+        let before = PROGRESS.report(0);
+        count_step();
+        count_allreduce(4096);
+        count_allreduce(8);
+        let (
+            WorkerMsg::Progress {
+                steps: s0,
+                allreduces: a0,
+                allreduce_bytes: b0,
+                ..
+            },
+            WorkerMsg::Progress {
+                worker,
+                steps,
+                allreduces,
+                allreduce_bytes,
+            },
+        ) = (before, PROGRESS.report(3))
+        else {
+            panic!("not progress reports");
+        };
+        // Other tests of this process may count too: at least these.
+        assert_eq!(worker, 3);
+        assert!(steps > s0 && allreduces >= a0 + 2 && allreduce_bytes >= b0 + 4104);
     }
 }
