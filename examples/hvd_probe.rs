@@ -95,6 +95,10 @@ fn main() -> anyhow::Result<()> {
             "malloc_huge_pages": hvd::malloc_huge_pages(),
             "malloc_huge_kb": malloc_huge_kb(),
             "hostname": std::env::var("HOROVOD_HOSTNAME").unwrap_or_default(),
+            "horovod_env": std::env::vars()
+                .filter(|(k, _)| k.starts_with("HOROVOD_") || k == "NCCL_IB_DISABLE")
+                .collect::<std::collections::BTreeMap<_, _>>(),
+            "engine": hvd::engine_config().map(|c| format!("{c:?}")).map_err(|e| e.to_string()),
         })
     );
     for i in 0..args.lines {

@@ -23,13 +23,120 @@ pub enum DiscoveryKind {
     Kubernetes,
 }
 
+/// Least level logged (`--log-level`), Horovod's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "UPPER")]
+pub enum LogLevel {
+    /// Everything.
+    Trace,
+    /// Decisions in detail.
+    Debug,
+    /// Progress.
+    Info,
+    /// Problems that are handled (Horovod's default).
+    Warning,
+    /// Failures.
+    Error,
+    /// Failures that end the job.
+    Fatal,
+}
+
+impl LogLevel {
+    /// Horovod's name of the level, as `HOROVOD_LOG_LEVEL` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Trace => "TRACE",
+            Self::Debug => "DEBUG",
+            Self::Info => "INFO",
+            Self::Warning => "WARNING",
+            Self::Error => "ERROR",
+            Self::Fatal => "FATAL",
+        }
+    }
+
+    /// The `tracing` directive of the level (FATAL logs errors: tracing has no level above).
+    pub fn directive(self) -> &'static str {
+        match self {
+            Self::Trace => "trace",
+            Self::Debug => "debug",
+            Self::Info => "info",
+            Self::Warning => "warn",
+            Self::Error | Self::Fatal => "error",
+        }
+    }
+}
+
 /// Launches a Horovod-compatible training program on one or more hosts.
 #[derive(Debug, Parser)]
-#[command(name = "horovodrun", version, about, trailing_var_arg = true)]
+#[command(
+    name = "horovodrun",
+    version,
+    about,
+    trailing_var_arg = true,
+    disable_version_flag = true
+)]
 pub struct Args {
+    /// Shows the version and exits.
+    #[arg(short = 'v', long = "version", action = clap::ArgAction::Version)]
+    pub version: Option<bool>,
+
     /// Total number of training processes (`-np`).
     #[arg(long = "num-proc", value_name = "N")]
     pub np: Option<usize>,
+
+    /// Shows which frameworks, controllers and tensor operations this build has, and exits
+    /// (`-cb`).
+    #[arg(long = "check-build")]
+    pub check_build: bool,
+
+    /// Reads Horovod's YAML runtime configuration (params, autotune, timeline, stall_check,
+    /// library_options, logging); a value given as a flag wins over the file's.
+    #[arg(long = "config-file", value_name = "FILE")]
+    pub config_file: Option<PathBuf>,
+
+    /// Horovod caches the results of its launch checks for 60 minutes unless this is given;
+    /// horovodrun keeps no such cache and checks afresh on every run, so this changes nothing.
+    #[arg(long = "disable-cache")]
+    pub disable_cache: bool,
+
+    /// Use the Gloo controller: hvd's own TCP transport is Gloo-style and always used, so this
+    /// is accepted and changes nothing.
+    #[arg(long = "gloo", conflicts_with_all = ["mpi", "jsrun"])]
+    pub gloo: bool,
+
+    /// Refused: hvd does not use MPI (its collectives run over its own TCP transport).
+    #[arg(long = "mpi", conflicts_with = "jsrun")]
+    pub mpi: bool,
+
+    /// Refused: hvd does not launch through jsrun (LSF); use -H/--hostfile or --launcher agent.
+    #[arg(long = "jsrun")]
+    pub jsrun: bool,
+
+    /// Refused: hvd does not run mpirun, so there are no MPI arguments to pass.
+    #[arg(long = "mpi-args", value_name = "ARGS", allow_hyphen_values = true)]
+    pub mpi_args: Option<String>,
+
+    /// Refused: process binding belongs to mpirun; hvd pins its engine thread with
+    /// --thread-affinity, and a command wrapped in taskset or numactl binds the rest.
+    #[arg(long = "binding-args", value_name = "ARGS", allow_hyphen_values = true)]
+    pub binding_args: Option<String>,
+
+    /// Disable MPI threading: it applies to MPI only, as with Horovod, and hvd does not use
+    /// MPI, so it has no effect.
+    #[arg(
+        long = "mpi-threads-disable",
+        conflicts_with = "no_mpi_threads_disable"
+    )]
+    pub mpi_threads_disable: bool,
+
+    /// Keep MPI threading (no effect: hvd does not use MPI).
+    #[arg(long = "no-mpi-threads-disable", hide = true)]
+    pub no_mpi_threads_disable: bool,
+
+    /// Use only TCP: hvd's transport is TCP; workers get NCCL_IB_DISABLE=1 as with Horovod,
+    /// for NCCL a framework may use itself.
+    #[arg(long = "tcp")]
+    pub tcp: bool,
 
     /// Hosts and slots: `host1:2,host2:4` (a bare host has one slot).
     #[arg(short = 'H', long = "hosts", value_name = "HOSTS")]
@@ -52,16 +159,22 @@ pub struct Args {
     pub output_filename: Option<PathBuf>,
 
     /// Log the driver's decisions in detail.
-    #[arg(short = 'v', long = "verbose")]
+    #[arg(long = "verbose")]
     pub verbose: bool,
 
     /// Seconds to wait for every worker to start and register (env HOROVOD_START_TIMEOUT).
     #[arg(long = "start-timeout", value_name = "SECS")]
     pub start_timeout: Option<f64>,
 
-    /// Network interface whose address the workers use for their connections.
-    #[arg(long = "network-interface", value_name = "IFACE")]
-    pub network_interface: Option<String>,
+    /// Network interfaces the workers may use, comma-separated: hvd's transport uses the
+    /// first (as Horovod's Gloo does).
+    #[arg(long = "network-interfaces", value_name = "IFACES")]
+    pub network_interfaces: Option<String>,
+
+    /// A network interface the workers may use (may be given more than once; Horovod's older
+    /// spelling of --network-interfaces).
+    #[arg(long = "network-interface", value_name = "IFACE", action = clap::ArgAction::Append)]
+    pub network_interface: Vec<String>,
 
     /// Elastic: fewest workers training continues with (defaults to -np). Turns elastic mode on.
     #[arg(long = "min-np", alias = "min-num-proc", value_name = "N")]
@@ -121,8 +234,111 @@ pub struct Args {
     pub timeline: Option<PathBuf>,
 
     /// Mark every engine cycle on the timeline.
-    #[arg(long = "timeline-mark-cycles")]
+    #[arg(
+        long = "timeline-mark-cycles",
+        conflicts_with = "no_timeline_mark_cycles"
+    )]
     pub timeline_mark_cycles: bool,
+
+    /// Don't mark engine cycles on the timeline (the default).
+    #[arg(long = "no-timeline-mark-cycles", hide = true)]
+    pub no_timeline_mark_cycles: bool,
+
+    /// Let the engine tune fusion threshold, cycle time, response cache and hierarchical
+    /// allreduce/allgather on the running job by Bayesian optimisation of its throughput;
+    /// knobs set explicitly are held constant.
+    #[arg(long = "autotune", conflicts_with = "no_autotune")]
+    pub autotune: bool,
+
+    /// Don't autotune (the default).
+    #[arg(long = "no-autotune", hide = true)]
+    pub no_autotune: bool,
+
+    /// Autotune: CSV log of every sample's knobs and score; the last row is the best.
+    #[arg(long = "autotune-log-file", value_name = "FILE")]
+    pub autotune_log_file: Option<PathBuf>,
+
+    /// Autotune: samples discarded before optimising (default 3).
+    #[arg(long = "autotune-warmup-samples", value_name = "N")]
+    pub autotune_warmup_samples: Option<u32>,
+
+    /// Autotune: steps scored per sample (default 10).
+    #[arg(long = "autotune-steps-per-sample", value_name = "N")]
+    pub autotune_steps_per_sample: Option<u32>,
+
+    /// Autotune: most samples of one Bayesian optimisation (default 20).
+    #[arg(long = "autotune-bayes-opt-max-samples", value_name = "N")]
+    pub autotune_bayes_opt_max_samples: Option<u32>,
+
+    /// Autotune: noise regularisation of the Gaussian process, 0 to 1 (default 0.8).
+    #[arg(long = "autotune-gaussian-process-noise", value_name = "X")]
+    pub autotune_gaussian_process_noise: Option<f64>,
+
+    /// Turn the stall check off: no warning about ops some ranks have not submitted.
+    #[arg(long = "no-stall-check", conflicts_with = "stall_check")]
+    pub no_stall_check: bool,
+
+    /// Keep the stall check on (the default).
+    #[arg(long = "stall-check", hide = true)]
+    pub stall_check: bool,
+
+    /// Seconds an op may wait for every rank before a warning names the ranks that have not
+    /// submitted it (default 60).
+    #[arg(long = "stall-check-warning-time-seconds", value_name = "SECS")]
+    pub stall_check_warning_time_seconds: Option<u64>,
+
+    /// Seconds an op may wait for every rank before it fails on all of them, naming the
+    /// missing ranks; applies when above the warning time (default 0: never).
+    #[arg(long = "stall-check-shutdown-time-seconds", value_name = "SECS")]
+    pub stall_check_shutdown_time_seconds: Option<u64>,
+
+    /// NCCL streams per device; this build has no NCCL, so it has no effect (as in a Horovod
+    /// built without NCCL).
+    #[arg(long = "num-nccl-streams", value_name = "N")]
+    pub num_nccl_streams: Option<u32>,
+
+    /// Core each worker's engine thread is pinned to.
+    #[arg(long = "thread-affinity", value_name = "CORE")]
+    pub thread_affinity: Option<u32>,
+
+    /// Seconds a collective waits for its peers before it fails (Horovod's Gloo timeout;
+    /// hvd's default is 300).
+    #[arg(long = "gloo-timeout-seconds", value_name = "SECS")]
+    pub gloo_timeout_seconds: Option<u64>,
+
+    /// Least level the workers' hvd logs, and the driver's when RUST_LOG is unset
+    /// (TRACE, DEBUG, INFO, WARNING, ERROR, FATAL; default WARNING).
+    #[arg(
+        long = "log-level",
+        value_enum,
+        ignore_case = true,
+        value_name = "LEVEL"
+    )]
+    pub log_level: Option<LogLevel>,
+
+    /// Log lines with their time (the default).
+    #[arg(
+        long = "log-with-timestamp",
+        hide = true,
+        conflicts_with = "log_without_timestamp"
+    )]
+    pub log_with_timestamp: bool,
+
+    /// Log lines without their time (driver and workers).
+    #[arg(
+        long = "log-without-timestamp",
+        visible_alias = "log-hide-timestamp",
+        conflicts_with = "no_log_hide_timestamp"
+    )]
+    pub log_without_timestamp: bool,
+
+    /// Horovod's older spelling of --log-with-timestamp.
+    #[arg(long = "no-log-hide-timestamp", hide = true)]
+    pub no_log_hide_timestamp: bool,
+
+    /// Prefix every line of the workers' output with the local time (`-prefix-timestamp`).
+    #[arg(long = "prefix-output-with-timestamp")]
+    pub prefix_output_with_timestamp: bool,
 
     /// Milliseconds between the background engine's cycles (env HOROVOD_CYCLE_TIME).
     #[arg(long = "cycle-time-ms", value_name = "MS")]
@@ -151,9 +367,30 @@ pub struct Args {
     #[arg(long = "tcp-streams", value_name = "N")]
     pub tcp_streams: Option<usize>,
 
-    /// Never use hierarchical allreduce, even across hosts.
+    /// Never use hierarchical allreduce, even across hosts (autotune then leaves it off).
     #[arg(long = "no-hierarchical-allreduce")]
     pub no_hierarchical_allreduce: bool,
+
+    /// Always use hierarchical allgather: gather on each host, allgather across hosts,
+    /// broadcast on each host.
+    #[arg(
+        long = "hierarchical-allgather",
+        conflicts_with = "no_hierarchical_allgather"
+    )]
+    pub hierarchical_allgather: bool,
+
+    /// Never use hierarchical allgather (autotune then leaves it off).
+    #[arg(long = "no-hierarchical-allgather")]
+    pub no_hierarchical_allgather: bool,
+
+    /// Refused: torus allreduce runs its cross-host step on NCCL, which this build lacks;
+    /// --hierarchical-allreduce has the same shape over hvd's transport.
+    #[arg(long = "torus-allreduce", conflicts_with = "no_torus_allreduce")]
+    pub torus_allreduce: bool,
+
+    /// Never use torus allreduce (hvd never does).
+    #[arg(long = "no-torus-allreduce")]
+    pub no_torus_allreduce: bool,
 
     /// How workers are started: `auto` (local processes for this machine, ssh otherwise) or
     /// `agent` (through the hvd-agent on every host; secret in HVD_AGENT_SECRET).
@@ -221,11 +458,64 @@ pub struct Args {
     pub service: Option<String>,
 
     /// The training program and its arguments.
-    #[arg(required = true, value_name = "COMMAND")]
+    #[arg(required_unless_present = "check_build", value_name = "COMMAND")]
     pub command: Vec<String>,
 }
 
 impl Args {
+    /// Every network interface named, in order: --network-interfaces' list, then each
+    /// --network-interface.
+    pub fn nics(&self) -> Vec<String> {
+        self.network_interfaces
+            .iter()
+            .flat_map(|l| l.split(','))
+            .chain(self.network_interface.iter().map(String::as_str))
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(String::from)
+            .collect()
+    }
+
+    /// The interface the workers use: the first named (hvd's transport, like Horovod's Gloo,
+    /// uses one).
+    pub fn nic(&self) -> Option<String> {
+        self.nics().into_iter().next()
+    }
+
+    /// Why a flag given here has no meaning in hvd, naming the flag and what to use instead.
+    pub fn refused(&self) -> Option<String> {
+        let why = [
+            (
+                self.mpi,
+                "--mpi: hvd does not use MPI; its collectives run over its own Gloo-style TCP \
+                 transport, which --gloo (or nothing) selects",
+            ),
+            (
+                self.jsrun,
+                "--jsrun: hvd does not launch through jsrun (LSF); name the hosts with -H or \
+                 --hostfile, or run an hvd-agent on each and use --launcher agent",
+            ),
+            (
+                self.mpi_args.is_some(),
+                "--mpi-args: hvd does not run mpirun, so there are no MPI arguments to pass; \
+                 drop the flag (hvd's own flags cover the launch)",
+            ),
+            (
+                self.binding_args.is_some(),
+                "--binding-args: process binding is mpirun's; pin the engine thread with \
+                 --thread-affinity, or wrap the command in taskset or numactl",
+            ),
+            (
+                self.torus_allreduce,
+                "--torus-allreduce: torus allreduce runs its cross-host step on NCCL, which this \
+                 build lacks; --hierarchical-allreduce has the same shape over hvd's transport",
+            ),
+        ];
+        why.iter()
+            .find(|(given, _)| *given)
+            .map(|(_, msg)| (*msg).to_string())
+    }
+
     /// The pods to watch for `--discovery kubernetes`; `None` for the other host sources.
     ///
     /// # Errors
@@ -305,18 +595,39 @@ fn values_of(flag: &str) -> usize {
     }
 }
 
-/// Rewrites Horovod's single-dash long flag `-np` into the form the parser knows. The rewrite
+/// Horovod's single-dash long flags (`-np`, `-hostfile`, `-cb`, `-prefix-timestamp`) in the
+/// form the parser knows, with an attached `=value` kept.
+fn single_dash_long(a: &str) -> Option<String> {
+    let (flag, value) = match a.split_once('=') {
+        Some((f, v)) => (f, Some(v)),
+        None => (a, None),
+    };
+    let long = match flag {
+        "-np" => "--num-proc",
+        "-hostfile" => "--hostfile",
+        "-cb" if value.is_none() => "--check-build",
+        "-prefix-timestamp" if value.is_none() => "--prefix-output-with-timestamp",
+        _ => return None,
+    };
+    Some(match value {
+        Some(v) => format!("{long}={v}"),
+        None => long.to_string(),
+    })
+}
+
+/// Rewrites Horovod's single-dash long flags (`-np`, `-hostfile`, `-cb`, `-prefix-timestamp`)
+/// into the form the parser knows. The rewrite
 /// stops where the training command starts, so `./train -np 3` reaches the program untouched.
 pub fn normalize<I: IntoIterator<Item = String>>(argv: I) -> Vec<String> {
     let mut out = Vec::new();
     let mut it = argv.into_iter();
     out.extend(it.next());
     while let Some(a) = it.next() {
-        if a == "-np" {
-            out.push("--num-proc".into());
-            out.extend(it.next());
-        } else if let Some(v) = a.strip_prefix("-np=") {
-            out.push(format!("--num-proc={v}"));
+        if let Some(long) = single_dash_long(&a) {
+            out.push(long);
+            if a == "-np" || a == "-hostfile" {
+                out.extend(it.next());
+            }
         } else if a == "--" || !a.starts_with('-') {
             out.push(a);
             break;
@@ -571,6 +882,72 @@ mod tests {
         assert!(err(&["--service", "s", "x"]).contains("--service works with"));
         assert!(err(&["--discovery", "script", "x"]).contains("needs --host-discovery-script"));
         assert!(parse(&["--discovery", "consul", "x"]).is_err());
+    }
+
+    #[test]
+    fn horovods_other_flags() {
+        let a = parse(&[
+            "-np",
+            "2",
+            "-hostfile",
+            "hf",
+            "-prefix-timestamp",
+            "--gloo",
+            "--network-interfaces",
+            "eth1, eth0",
+            "--network-interface",
+            "ib0",
+            "--autotune",
+            "--autotune-warmup-samples",
+            "5",
+            "--stall-check-warning-time-seconds",
+            "30",
+            "--no-stall-check",
+            "--log-level",
+            "warning",
+            "--log-hide-timestamp",
+            "--disable-cache",
+            "./train",
+        ])
+        .unwrap();
+        assert_eq!(a.hostfile.as_deref(), Some(std::path::Path::new("hf")));
+        assert!(a.prefix_output_with_timestamp && a.gloo && a.autotune && a.no_stall_check);
+        assert!(a.disable_cache && a.log_without_timestamp);
+        assert_eq!(a.nics(), ["eth1", "eth0", "ib0"]);
+        assert_eq!(a.nic().as_deref(), Some("eth1"));
+        assert_eq!(a.autotune_warmup_samples, Some(5));
+        assert_eq!(a.stall_check_warning_time_seconds, Some(30));
+        assert_eq!(a.log_level, Some(LogLevel::Warning));
+        assert_eq!(a.refused(), None);
+        // -cb needs no command; -v is Horovod's --version.
+        assert!(parse(&["-cb"]).unwrap().check_build);
+        let v = parse(&["-v"]).unwrap_err();
+        assert_eq!(v.kind(), clap::error::ErrorKind::DisplayVersion);
+        assert!(parse(&["--log-level", "LOUD", "x"]).is_err());
+        assert!(parse(&["--autotune", "--no-autotune", "x"]).is_err());
+    }
+
+    #[test]
+    fn flags_without_meaning_here_are_refused_by_name() {
+        for (args, flag) in [
+            (&["--mpi", "x"][..], "--mpi:"),
+            (&["--jsrun", "x"], "--jsrun:"),
+            (&["--mpi-args=--map-by ppr:6:node", "x"], "--mpi-args:"),
+            (&["--mpi-args", "-gpu", "x"], "--mpi-args:"),
+            (&["--binding-args", "--rankfile f", "x"], "--binding-args:"),
+            (&["--torus-allreduce", "x"], "--torus-allreduce:"),
+        ] {
+            let why = parse(args).unwrap().refused().unwrap_or_default();
+            assert!(why.starts_with(flag), "{args:?}: {why}");
+        }
+        for ok in [
+            &["--mpi-threads-disable", "x"][..],
+            &["--no-torus-allreduce", "x"],
+            &["--tcp", "x"],
+        ] {
+            assert_eq!(parse(ok).unwrap().refused(), None, "{ok:?}");
+        }
+        assert_eq!(values_of("--mpi-args"), 1);
     }
 
     #[test]

@@ -202,8 +202,26 @@ impl Mark {
     }
 }
 
+/// Whether relayed lines start with the local time (`--prefix-output-with-timestamp`).
+static TIMESTAMPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes every relayed line start with the local time, as Horovod's
+/// `--prefix-output-with-timestamp` does (`Tue Nov 24 10:00:00 2026[0]<stdout>:…`).
+pub fn set_timestamped_output(on: bool) {
+    TIMESTAMPED.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The local time as C's `asctime` writes it (Horovod's output prefix), or UTC where the
+/// time zone cannot be read.
+fn asctime_now() -> String {
+    let now = jiff::Timestamp::now();
+    let zoned = now.to_zoned(jiff::tz::TimeZone::try_system().unwrap_or(jiff::tz::TimeZone::UTC));
+    zoned.strftime("%a %b %e %H:%M:%S %Y").to_string()
+}
+
 /// Relays one pipe of one worker, a line at a time, prefixed `[rank]<stdout>:` as horovodrun
-/// does, and copies it to the rank's log file when one is asked for.
+/// does (after the local time with `--prefix-output-with-timestamp`), and copies it to the
+/// rank's log file when one is asked for.
 async fn relay(
     label: String,
     stream_name: &'static str,
@@ -250,7 +268,10 @@ async fn relay(
                 file = None;
             }
         }
-        let mut line = Vec::with_capacity(prefix.len() + buf.len());
+        let mut line = Vec::with_capacity(prefix.len() + buf.len() + 24);
+        if TIMESTAMPED.load(std::sync::atomic::Ordering::Relaxed) {
+            line.extend_from_slice(asctime_now().as_bytes());
+        }
         line.extend_from_slice(prefix.as_bytes());
         line.extend_from_slice(&buf);
         // One write per line keeps lines of different ranks from interleaving.

@@ -3,6 +3,7 @@
 mod agent;
 mod cli;
 mod elastic;
+mod horovod;
 mod hosts;
 mod job;
 mod metrics;
@@ -28,7 +29,7 @@ const EX_USAGE: u8 = 64;
 const ENV_HEARTBEAT_TIMEOUT: &str = "HVD_HEARTBEAT_TIMEOUT";
 
 fn main() -> ExitCode {
-    let args = match cli::Args::try_parse_from(cli::normalize(std::env::args())) {
+    let mut args = match cli::Args::try_parse_from(cli::normalize(std::env::args())) {
         Ok(a) => a,
         Err(e) => {
             let usage = e.use_stderr();
@@ -40,7 +41,42 @@ fn main() -> ExitCode {
             };
         }
     };
-    init_tracing(args.verbose);
+    if let Err(e) = horovod::apply_config_file(&mut args) {
+        eprintln!("horovodrun: error: {e:#}");
+        return ExitCode::from(EX_USAGE);
+    }
+    if let Some(why) = args.refused() {
+        eprintln!("horovodrun: error: {why}");
+        return ExitCode::from(EX_USAGE);
+    }
+    init_tracing(&args);
+    if args.check_build {
+        let torch = horovod::torch_available();
+        if let (Err(why), true) = (&torch, args.verbose) {
+            eprintln!("PyTorch: {why}");
+        }
+        print!("{}", horovod::check_build_report(torch.is_ok()));
+        return ExitCode::SUCCESS;
+    }
+    match horovod::check_environment(std::env::vars()) {
+        Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
+        Err(e) => {
+            eprintln!("horovodrun: error: {e:#}");
+            return ExitCode::from(EX_USAGE);
+        }
+    }
+    if args.disable_cache {
+        tracing::debug!(
+            "--disable-cache: horovodrun caches no launch checks; each run checks afresh"
+        );
+    }
+    if args.nics().len() > 1 {
+        tracing::info!(
+            "the workers use {} (hvd's transport, like Horovod's Gloo, uses the first interface named)",
+            args.nic().unwrap_or_default()
+        );
+    }
+    job::set_timestamped_output(args.prefix_output_with_timestamp);
     if args.discovery_script.is_some()
         || args.discovery.is_some()
         || args.min_np.is_some_and(|n| n > 0)
@@ -196,7 +232,7 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
         .ok()
         .map(|h| h.trim().to_string())
         .filter(|h| !h.is_empty());
-    let rendezvous_host = match (&named, &args.network_interface) {
+    let rendezvous_host = match (&named, &args.nic()) {
         // A name that outlives this driver (a Kubernetes Service): its successor's workers
         // dial the same one.
         (Some(h), _) => h.clone(),
@@ -226,7 +262,7 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
         ssh_port: args.ssh_port,
         ssh_identity: args.ssh_identity_file.clone(),
         output_dir: args.output_filename.clone(),
-        network_interface: args.network_interface.clone(),
+        network_interface: args.nic(),
         rendezvous_host,
         start_timeout,
         extra_env: timeline_env(args)?,
@@ -330,7 +366,7 @@ fn discovery_source(args: &cli::Args) -> anyhow::Result<elastic::run::Source> {
             (Some(script), _, _) => {
                 let timeout = positive(args.discovery_timeout, "--discovery-timeout")?;
                 elastic::run::Source::Script(ScriptDiscovery::new(
-                    script.clone(),
+                    horovod::discovery_command(script, std::env::var_os("PATH").as_deref()),
                     timeout,
                     args.slots,
                 ))
@@ -356,6 +392,7 @@ fn discovery_source(args: &cli::Args) -> anyhow::Result<elastic::run::Source> {
 /// `--timeline-filename`.
 fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
     let mut env = huge_pages_env(|k| std::env::var(k).ok());
+    env.extend(horovod::knob_env(args)?);
     for (flag, value, var, scale) in [
         (
             "--cycle-time-ms",
@@ -462,20 +499,26 @@ fn positive(v: f64, name: &str) -> anyhow::Result<Duration> {
     Ok(Duration::from_secs_f64(v))
 }
 
-fn init_tracing(verbose: bool) {
-    let default = if verbose {
-        "horovodrun=debug,hvd_store=debug,info"
-    } else {
-        "horovodrun=info,hvd_store=info,warn"
+/// The driver's log: `RUST_LOG` where set, else `--log-level` for everything, else progress
+/// (`--verbose`: decisions in detail); `--log-without-timestamp` drops the time.
+fn init_tracing(args: &cli::Args) {
+    let default = match (args.log_level, args.verbose) {
+        (Some(l), _) => l.directive().to_string(),
+        (None, true) => "horovodrun=debug,hvd_store=debug,info".into(),
+        (None, false) => "horovodrun=info,hvd_store=info,warn".into(),
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    if args.log_without_timestamp {
+        fmt.without_time().init();
+    } else {
+        fmt.init();
+    }
 }
 
 /// Turns the flags into a job: hosts, slots, ranks. Everything is checked before anything starts.
@@ -534,7 +577,7 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
     let (rendezvous_bind, rendezvous_host) = if all_local {
         (Some("127.0.0.1".to_string()), "127.0.0.1".to_string())
     } else {
-        let host = match &args.network_interface {
+        let host = match &args.nic() {
             Some(i) => interface_ip(i)?,
             None => own.clone(),
         };
@@ -556,7 +599,7 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
         ssh_identity: args.ssh_identity_file.clone(),
         output_dir: args.output_filename.clone(),
         start_timeout: Duration::from_secs_f64(start_timeout),
-        network_interface: args.network_interface.clone(),
+        network_interface: args.nic(),
         rendezvous_host,
         rendezvous_bind,
         extra_env: timeline_env(args)?,

@@ -693,7 +693,7 @@ fn a_survivor_frozen_while_the_round_reforms_is_declared_failed_by_its_silence()
 
 #[test]
 fn a_new_worker_frozen_as_it_joins_is_declared_failed_and_the_job_goes_on() {
-    let flags = [&["-np", "2", "--max-np", "4", "-v"], HEARTBEAT].concat();
+    let flags = [&["-np", "2", "--max-np", "4", "--verbose"], HEARTBEAT].concat();
     let mut job = Job::start("frozen-join", &["127.0.0.2:2"], &flags, SLOW_COUNTER);
     job.wait_step(20, 2);
     job.set_hosts(HOSTS2);
