@@ -1,17 +1,17 @@
 //! Every `HOROVOD_*` variable of Horovod's documentation, and what hvd makes of it: read with
 //! Horovod's meaning, read by the package build, or without meaning here (and why).
 //!
-//! `horovodrun` checks its own environment against this table at start, and the Python
-//! package's build checks the build variables, so a setting carried over from Horovod is
-//! either honoured or named, never silently dropped.
+//! `horovodrun` checks its own environment against this table at start, so a setting carried
+//! over from Horovod is either honoured or named with the reason, never silently dropped.
 
 /// What hvd does with one of Horovod's variables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Meaning {
     /// Read at run time with Horovod's meaning (by `horovodrun` or by the workers).
     Runtime,
-    /// A switch of Horovod's package build that hvd's build honours: asking for a part hvd has
-    /// is satisfied, asking to leave one out is a no-op.
+    /// A switch of Horovod's package build (`HOROVOD_WITH_*`, `HOROVOD_WITHOUT_*`): hvd's
+    /// package always has PyTorch over Gloo-style TCP, so asking for those is met and asking
+    /// for another part cannot be ([`build_switch`] says which).
     Build,
     /// A build setting with no meaning for hvd's build (paths and options of libraries hvd does
     /// not link): ignored, with this reason.
@@ -242,6 +242,63 @@ mod tests {
         assert!(build_switch("HOROVOD_WITH_MPI", "1").unwrap().is_err());
         assert!(build_switch("HOROVOD_WITHOUT_GLOO", "1").unwrap().is_err());
         assert_eq!(build_switch("HOROVOD_CYCLE_TIME", "1"), None);
+    }
+
+    /// Every `HOROVOD_*` variable Horovod's documentation (shared/seeds) names.
+    const DOCUMENTED: &[&str] = &[
+        "HOROVOD_ALLOW_MIXED_GPU_IMPL",
+        "HOROVOD_AUTOTUNE",
+        "HOROVOD_AUTOTUNE_LOG",
+        "HOROVOD_BUILD_ARCH_FLAGS",
+        "HOROVOD_BUILD_CUDA_CC_LIST",
+        "HOROVOD_CCL_BGT_AFFINITY",
+        "HOROVOD_CCL_CACHE",
+        "HOROVOD_CMAKE",
+        "HOROVOD_CPU_OPERATIONS",
+        "HOROVOD_CUDA_HOME",
+        "HOROVOD_CYCLE_TIME",
+        "HOROVOD_DEBUG",
+        "HOROVOD_DYNAMIC_PROCESS_SETS",
+        "HOROVOD_ELASTIC_TIMEOUT",
+        "HOROVOD_ENABLE_XLA_OPS",
+        "HOROVOD_FUSION_THRESHOLD",
+        "HOROVOD_GLOO_TIMEOUT_SECONDS",
+        "HOROVOD_GPU",
+        "HOROVOD_GPU_ALLGATHER",
+        "HOROVOD_GPU_ALLREDUCE",
+        "HOROVOD_GPU_BROADCAST",
+        "HOROVOD_GPU_OPERATIONS",
+        "HOROVOD_HIERARCHICAL_ALLREDUCE",
+        "HOROVOD_LOG_LEVEL",
+        "HOROVOD_MIXED_INSTALL",
+        "HOROVOD_MPI_THREADS_DISABLE",
+        "HOROVOD_NCCL_HOME",
+        "HOROVOD_NCCL_INCLUDE",
+        "HOROVOD_NCCL_LIB",
+        "HOROVOD_NCCL_LINK",
+        "HOROVOD_ROCM_HOME",
+        "HOROVOD_SPARK_START_TIMEOUT",
+        "HOROVOD_START_TIMEOUT",
+        "HOROVOD_THREAD_AFFINITY",
+        "HOROVOD_TIMELINE",
+        "HOROVOD_TIMELINE_MARK_CYCLES",
+        "HOROVOD_WITHOUT_GLOO",
+        "HOROVOD_WITHOUT_MPI",
+        "HOROVOD_WITHOUT_MXNET",
+        "HOROVOD_WITHOUT_PYTORCH",
+        "HOROVOD_WITHOUT_TENSORFLOW",
+        "HOROVOD_WITH_GLOO",
+        "HOROVOD_WITH_MPI",
+        "HOROVOD_WITH_MXNET",
+        "HOROVOD_WITH_PYTORCH",
+        "HOROVOD_WITH_TENSORFLOW",
+    ];
+
+    #[test]
+    fn every_documented_variable_has_a_meaning() {
+        for v in DOCUMENTED {
+            assert!(horovod_var(v).is_some(), "{v} is not judged");
+        }
     }
 
     #[test]
