@@ -625,7 +625,18 @@ fn spec_record(job: &ElasticJob) -> Result<(String, String), Error> {
     ))
 }
 
-/// The driver's container ports: status, and the rendezvous with a state store.
+/// The annotations by which a Prometheus that discovers pods scrapes the driver's
+/// `GET /metrics` on its status port (the job's phase, rounds, failures and rates).
+fn scrape_annotations() -> [(String, String); 3] {
+    [
+        ("prometheus.io/scrape".into(), "true".into()),
+        ("prometheus.io/port".into(), STATUS_PORT.to_string()),
+        ("prometheus.io/path".into(), "/metrics".into()),
+    ]
+}
+
+/// The driver's container ports: status (`/status` and `/metrics`), and the rendezvous with
+/// a state store.
 fn driver_ports(job: &ElasticJob) -> Vec<ContainerPort> {
     let mut ports = vec![port("status", STATUS_PORT)];
     if job.spec.state_store.is_some() {
@@ -645,7 +656,9 @@ fn driver_ports(job: &ElasticJob) -> Vec<ContainerPort> {
 pub fn driver_pod(job: &ElasticJob) -> Result<Pod, Error> {
     let names = Names::of(job)?;
     let mut metadata = meta(job, &names, names.driver(), Some(ROLE_DRIVER))?;
-    metadata.annotations = Some(BTreeMap::from([spec_record(job)?]));
+    let mut annotations = BTreeMap::from([spec_record(job)?]);
+    annotations.extend(scrape_annotations());
+    metadata.annotations = Some(annotations);
     Ok(Pod {
         metadata,
         spec: Some(PodSpec {
@@ -696,6 +709,12 @@ mod tests {
         let text = &d.metadata.annotations.as_ref().unwrap()[ANNOTATION_SPEC];
         let recorded: crate::crd::ElasticJobSpec = serde_json::from_str(text).unwrap();
         assert_eq!(recorded.replicas, None, "replicas is never recorded");
+        // Prometheus finds the driver's metrics on its status port.
+        let a = d.metadata.annotations.as_ref().unwrap();
+        assert_eq!(
+            (&a["prometheus.io/port"][..], &a["prometheus.io/path"][..]),
+            ("8080", "/metrics")
+        );
         assert_eq!(recorded.image, j.spec.image);
 
         // Later edits: the job keeps its started spec, with the current replicas.

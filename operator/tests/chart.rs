@@ -1451,3 +1451,148 @@ fn chart_runs_the_example_job_on_a_real_cluster() {
     kubectl_ok(&["scale", "ej/mnist", "-n", &ns, "--replicas", "2"]);
     wait_running(&ns, 2, None);
 }
+
+// === metrics: the ServiceMonitor ===
+
+/// The ServiceMonitor CRD's shape the chart's ServiceMonitor is checked against.
+fn service_monitor_crd() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/servicemonitor-crd.yaml")
+}
+
+/// The chart's metrics objects (Service and ServiceMonitor) rendered with `extra`, in a file
+/// of their own.
+fn render_metrics(extra: &[&str]) -> Rendered {
+    let mut args = vec![
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--show-only",
+        "templates/servicemonitor.yaml",
+    ];
+    args.extend_from_slice(extra);
+    render(&args)
+}
+
+/// The ServiceMonitor alone, as the CRD checker reads one document.
+fn service_monitor_file(r: &Rendered, scratch: &Scratch) -> PathBuf {
+    let text = fs::read_to_string(&r.file).unwrap();
+    let doc = text
+        .split("\n---")
+        .find(|d| d.contains("kind: ServiceMonitor"))
+        .expect("a ServiceMonitor rendered");
+    scratch.file("servicemonitor.yaml", doc)
+}
+
+fn check_against(crd: &Path, doc: &Path, extra: &[&str]) -> Vec<Vec<String>> {
+    let extra: Vec<PathBuf> = extra.iter().map(PathBuf::from).collect();
+    let mut args: Vec<&Path> = vec![crd, doc];
+    args.extend(extra.iter().map(PathBuf::as_path));
+    python(CRD_CHECK_PY, &args)
+        .lines()
+        .map(|l| l.split('\t').map(str::to_owned).collect())
+        .collect()
+}
+
+#[test]
+fn no_service_monitor_unless_enabled() {
+    let r = render(&[]);
+    assert!(r.objects.of_kind("ServiceMonitor").is_empty());
+    assert!(r.objects.find("Service", "hvd-metrics").is_none());
+    assert_lint_clean(&["--set", "metrics.serviceMonitor.enabled=true"]);
+}
+
+#[test]
+fn the_service_monitor_scrapes_the_operators_metrics_and_passes_its_crd() {
+    let scratch = Scratch::new();
+    let r = render_metrics(&["--set", "metrics.serviceMonitor.labels.release=prom"]);
+    let sm = r.objects.get("ServiceMonitor", "hvd");
+    sm.assert_strs(
+        ".spec",
+        &[
+            (".endpoints[0].port", "probes"),
+            (".endpoints[0].path", "/metrics"),
+            (".endpoints[0].interval", "30s"),
+            (".namespaceSelector.matchNames[0]", RELEASE_NAMESPACE),
+            (
+                ".selector.matchLabels[\"app.kubernetes.io/component\"]",
+                "metrics",
+            ),
+        ],
+    );
+    assert_eq!(sm.str(".metadata.labels.release").as_deref(), Some("prom"));
+    // The Service it selects carries those labels and reaches the operator's probe port.
+    let svc = r.objects.get("Service", "hvd-metrics");
+    for (path, want) in [
+        (
+            ".metadata.labels[\"app.kubernetes.io/component\"]",
+            "metrics",
+        ),
+        (".spec.ports[0].name", "probes"),
+        (".spec.ports[0].targetPort", "probes"),
+    ] {
+        assert_eq!(svc.str(path).as_deref(), Some(want), "Service {path}");
+    }
+    let deployment = render(&[]);
+    let container_port = deployment
+        .objects
+        .get("Deployment", "hvd")
+        .str(".spec.template.spec.containers[0].ports[0].name");
+    assert_eq!(container_port.as_deref(), Some("probes"));
+    // The ServiceMonitor against its CRD's schema; the Service against Kubernetes'.
+    let doc = service_monitor_file(&r, &scratch);
+    let rows = check_against(&service_monitor_crd(), &doc, &[]);
+    assert!(rows_of(&rows, "structural").is_empty(), "{rows:?}");
+    assert!(rows_of(&rows, "schema").is_empty(), "{rows:?}");
+    let text = fs::read_to_string(&r.file).unwrap();
+    let service = text
+        .split("\n---")
+        .find(|d| d.contains("kind: Service\n"))
+        .expect("a Service rendered");
+    let file = scratch.file("service.yaml", service);
+    let report = kubernetes_validate(&file, &chart_kube_version());
+    assert!(
+        report.contains("passed for resource service/hvd-metrics"),
+        "{report}"
+    );
+}
+
+#[test]
+fn the_service_monitor_check_rejects_what_its_crd_does() {
+    let scratch = Scratch::new();
+    let r = render_metrics(&[]);
+    let doc = service_monitor_file(&r, &scratch);
+    for (edit, named) in [
+        (
+            "spec.endpoints=[{\"port\": \"probes\", \"scheme\": \"ftp\"}]",
+            "endpoints.0.scheme",
+        ),
+        ("spec.endpoints=[{\"port\": 8081}]", "endpoints.0.port"),
+        (
+            "spec.endpoints=[{\"interval\": \"soon\"}]",
+            "endpoints.0.interval",
+        ),
+        ("spec.scrapeEverything=true", "spec"),
+    ] {
+        let rows = check_against(&service_monitor_crd(), &doc, &["--set", edit]);
+        assert!(
+            rows_of(&rows, "schema")
+                .iter()
+                .any(|r| r[1].contains(named)),
+            "{edit} not rejected at {named}: {rows:?}"
+        );
+    }
+    let rows = check_against(&service_monitor_crd(), &doc, &["--del", "spec.selector"]);
+    assert!(!rows_of(&rows, "schema").is_empty(), "no selector accepted");
+    // A bad interval never reaches the ServiceMonitor: the values' schema refuses it.
+    let out = lint(&[
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "metrics.serviceMonitor.interval=soon",
+    ]);
+    let report = text(&out);
+    assert!(!out.status.success(), "{report}");
+    assert!(
+        report.contains("at '/metrics/serviceMonitor/interval'"),
+        "{report}"
+    );
+}
