@@ -347,6 +347,37 @@ pub fn knob_env(args: &Args) -> anyhow::Result<Vec<(String, String)>> {
     Ok(env)
 }
 
+/// Horovod's run-time variables of `horovodrun`'s own environment that every worker gets,
+/// remote ones too (as Horovod forwards them): those hvd reads, except the ones each worker is
+/// given for itself (`HOROVOD_RANK`…) or as horovodrun resolved it (the timeouts), and those
+/// already in `set` (a flag's value wins).
+pub fn forwarded_env(
+    vars: impl IntoIterator<Item = (String, String)>,
+    set: &[(String, String)],
+) -> Vec<(String, String)> {
+    const PER_WORKER: &[&str] = &[
+        "HOROVOD_RANK",
+        "HOROVOD_SIZE",
+        "HOROVOD_LOCAL_RANK",
+        "HOROVOD_LOCAL_SIZE",
+        "HOROVOD_CROSS_RANK",
+        "HOROVOD_CROSS_SIZE",
+        "HOROVOD_HOSTNAME",
+        "HOROVOD_ELASTIC",
+        // Resolved by horovodrun (flag, else variable) and given to each worker as resolved.
+        "HOROVOD_START_TIMEOUT",
+        "HOROVOD_ELASTIC_TIMEOUT",
+    ];
+    let mut out: Vec<(String, String)> = vars
+        .into_iter()
+        .filter(|(k, _)| hvd_rendezvous::horovod_var(k) == Some(Meaning::Runtime))
+        .filter(|(k, _)| !PER_WORKER.contains(&k.as_str()))
+        .filter(|(k, _)| !set.iter().any(|(s, _)| s == k))
+        .collect();
+    out.sort();
+    out
+}
+
 /// Checks the `HOROVOD_*` variables `horovodrun` runs with: a backend hvd lacks is refused;
 /// variables without meaning here are returned as warnings that name them and say why.
 ///
@@ -645,6 +676,24 @@ logging:
                 ("HOROVOD_STALL_CHECK_DISABLE".to_string(), "1".to_string()),
                 ("NCCL_IB_DISABLE".to_string(), "1".to_string())
             ]
+        );
+    }
+
+    #[test]
+    fn horovods_variables_reach_remote_workers_and_flags_win() {
+        let own = [
+            ("HOROVOD_CYCLE_TIME", "5"),
+            ("HOROVOD_FUSION_THRESHOLD", "1024"),
+            ("HOROVOD_RANK", "3"),
+            ("HOROVOD_START_TIMEOUT", "9"),
+            ("HOROVOD_NCCL_HOME", "/x"),
+            ("HOME", "/root"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let set = [("HOROVOD_CYCLE_TIME".to_string(), "2".to_string())];
+        assert_eq!(
+            forwarded_env(own, &set),
+            [("HOROVOD_FUSION_THRESHOLD".to_string(), "1024".to_string())]
         );
     }
 

@@ -441,6 +441,8 @@ fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
         ));
     }
     let Some(path) = &args.timeline else {
+        let own = horovod::forwarded_env(std::env::vars(), &env);
+        env.extend(own);
         return Ok(env);
     };
     std::fs::write(path, "[\n")
@@ -457,6 +459,8 @@ fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
             "1".into(),
         ));
     }
+    let own = horovod::forwarded_env(std::env::vars(), &env);
+    env.extend(own);
     Ok(env)
 }
 
