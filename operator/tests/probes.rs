@@ -4,6 +4,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
+#[path = "../../driver/tests/support/promtool.rs"]
+mod promtool;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -181,6 +184,7 @@ fn not_ready_until_the_api_answers() {
         body.contains("# TYPE hvd_operator_reconciles_total counter"),
         "{body}"
     );
+    promtool::assert_clean(&body);
     let (code, body) = get(port, "/livez").expect("any path answers");
     assert_eq!(code, 404, "{body}");
 }
