@@ -6,8 +6,10 @@
 //! the median sub-score so that a slow outlier (a fusion buffer growing, a page-fault storm)
 //! does not mislead it. The first `warmup_samples` samples are discarded.
 //!
-//! Fusion threshold (0 to 64 MiB) and cycle time (1 to 100 ms) are tuned together by Bayesian
-//! optimisation: a Gaussian process (RBF kernel, the noise on its diagonal as regulariser,
+//! Fusion threshold (0 to 64 MiB) and cycle time (0.5 to 100 ms; this engine's cycles are
+//! cheap enough to go below Horovod's 1 ms) are tuned together by Bayesian optimisation, on
+//! logarithmic scales (their effects are relative: 1 to 2 MiB matters as 32 to 64 does): a
+//! Gaussian process (RBF kernel, the noise on its diagonal as regulariser,
 //! solved by Cholesky) models the score, and the next setting maximises expected improvement
 //! over random candidates refined by a local search. After `max_samples` samples of the two,
 //! each on/off knob (hierarchical allreduce, hierarchical allgather, response cache) is tried
@@ -29,9 +31,19 @@ pub const LOG_HEADER: &str = "hierarchical_allreduce,hierarchical_allgather,toru
 /// Sub-samples per sample; the sample's score is their median (as Horovod).
 const SUB_SAMPLES: usize = 5;
 
-/// Bounds of the fusion threshold, in MiB, and of the cycle time, in ms (Horovod's).
+/// Bounds of the fusion threshold, in MiB, and of the cycle time, in ms.
 const FUSION_MB: (f64, f64) = (0.0, 64.0);
-const CYCLE_MS: (f64, f64) = (1.0, 100.0);
+const CYCLE_MS: (f64, f64) = (0.5, 100.0);
+
+/// The optimiser's coordinate of a fusion threshold (log₂ of 1 + MiB, so 0 stays in range).
+fn fusion_axis(mb: f64) -> f64 {
+    (1.0 + mb.max(0.0)).log2()
+}
+
+/// The optimiser's coordinate of a cycle time (ln of ms).
+fn cycle_axis(ms: f64) -> f64 {
+    ms.max(1e-3).ln()
+}
 
 /// The settings tried after the first, as (fusion MiB, cycle ms): a spread over the space
 /// before the Gaussian process has anything to go on (Horovod's).
@@ -508,10 +520,10 @@ impl Tuner {
         let (tune_fusion, tune_cycle) = (!held.fusion, !held.cycle);
         let mut bounds = Vec::new();
         if tune_fusion {
-            bounds.push(FUSION_MB);
+            bounds.push((fusion_axis(FUSION_MB.0), fusion_axis(FUSION_MB.1)));
         }
         if tune_cycle {
-            bounds.push(CYCLE_MS);
+            bounds.push((cycle_axis(CYCLE_MS.0), cycle_axis(CYCLE_MS.1)));
         }
         let log = cfg.log.as_ref().and_then(|path| {
             let opened = std::fs::File::create(path).and_then(|mut f| {
@@ -632,7 +644,7 @@ impl Tuner {
                         let mut it = x.into_iter();
                         let f = if self.tune_fusion { it.next() } else { None };
                         let c = if self.tune_cycle { it.next() } else { None };
-                        (f.unwrap_or(0.0), c.unwrap_or(0.0))
+                        (f.map_or(0.0, |t| t.exp2() - 1.0), c.map_or(0.0, f64::exp))
                     }
                 };
                 self.current = self.with_point(self.current, fusion, cycle);
@@ -659,10 +671,10 @@ impl Tuner {
     fn point(&self, s: &Setting) -> Vec<f64> {
         let mut x = Vec::new();
         if self.tune_fusion {
-            x.push(s.fusion_mb());
+            x.push(fusion_axis(s.fusion_mb()));
         }
         if self.tune_cycle {
-            x.push(s.cycle_ms());
+            x.push(cycle_axis(s.cycle_ms()));
         }
         x
     }

@@ -63,8 +63,9 @@ pub(crate) struct Agreement {
     pub(crate) pids: Vec<Pid>,
     /// Every rank of the world runs on this host and may read every other.
     pub(crate) world: bool,
-    /// Every host group agreed on `local`, and every rank wants hierarchical collectives.
-    pub(crate) hierarchical: bool,
+    /// Every host group agreed on `local`, and which hierarchical collectives every rank
+    /// wants: bit 0 allreduce, bit 1 allgather (0: none).
+    pub(crate) hierarchical: u8,
     /// Every rank's mailbox for small messages (this rank's own included).
     pub(crate) mailboxes: Vec<crate::mailbox::Remote>,
     /// Ranks running on this machine (same boot id), this one included, whatever host group
@@ -176,14 +177,14 @@ pub(crate) fn write_remote(pid: Pid, addr: usize, data: &[u8]) -> io::Result<()>
 /// host group (ranks listening on one address form one host, so that one machine can play
 /// several hosts); `enabled` is this rank's own setting, and one rank that disables it
 /// disables it for every group it belongs to. `hierarchical` is this rank's wish for
-/// hierarchical collectives; they need every rank's. `offer` is this rank's part of the
+/// hierarchical collectives (bit 0 allreduce, bit 1 allgather); each needs every rank's. `offer` is this rank's part of the
 /// machine's core count ([`shared_cores`]).
 pub(crate) fn negotiate(
     rank: usize,
     streams: &mut [Option<TcpStream>],
     host_of: &[usize],
     enabled: bool,
-    hierarchical: bool,
+    hierarchical: u8,
     mailbox: &crate::mailbox::Mailbox,
     offer: CoreOffer,
 ) -> io::Result<Agreement> {
@@ -250,14 +251,14 @@ pub(crate) fn negotiate(
             local &= b[0] & 2 == 2;
         }
     }
-    let mut all = local && hierarchical;
+    let mut all = if local { hierarchical & 3 } else { 0 };
     for s in streams.iter_mut().flatten() {
-        s.write_all(&[u8::from(all)])?;
+        s.write_all(&[all])?;
     }
     for s in streams.iter_mut().flatten() {
         let mut b = [0u8; 1];
         s.read_exact(&mut b)?;
-        all &= b[0] == 1;
+        all &= b[0];
     }
     Ok(Agreement {
         pids,

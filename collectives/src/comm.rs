@@ -67,6 +67,8 @@ pub struct Communicator {
 pub(crate) struct Hierarchy {
     pub(crate) local: Box<Communicator>,
     pub(crate) cross: Box<Communicator>,
+    /// Every host's ranks, hosts in the cross communicators' order, ranks ascending.
+    pub(crate) groups: Vec<Vec<usize>>,
 }
 
 /// Cores this process may run on (asked once: the answer costs system calls and file reads).
@@ -202,7 +204,8 @@ impl Communicator {
             &mut streams,
             &host_of,
             cfg.same_host_copy,
-            cfg.hierarchical != Some(false) || cfg.hierarchical_allgather != Some(false),
+            u8::from(cfg.hierarchical != Some(false))
+                | (u8::from(cfg.hierarchical_allgather != Some(false)) << 1),
             &mailbox,
             crate::cma::CoreOffer::own(cfg.cores),
         )
@@ -261,7 +264,7 @@ impl Communicator {
             Some("hosts run different numbers of ranks")
         } else if per_host < 2 {
             Some("every host runs one rank")
-        } else if !agreed.hierarchical {
+        } else if agreed.hierarchical == 0 {
             Some("not every host could read its ranks' memory, or a rank disabled it")
         } else {
             None
@@ -289,9 +292,11 @@ impl Communicator {
         self.hier = Some(Hierarchy {
             local: Box::new(local),
             cross: Box::new(cross),
+            groups,
         });
-        self.hier_allreduce = self.cfg.hierarchical != Some(false);
-        self.hier_allgather = self.cfg.hierarchical_allgather != Some(false);
+        // What every rank wants: one rank's 0 makes that collective flat everywhere.
+        self.hier_allreduce = agreed.hierarchical & 1 != 0;
+        self.hier_allgather = agreed.hierarchical & 2 != 0;
         Ok(())
     }
 

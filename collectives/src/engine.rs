@@ -1255,7 +1255,12 @@ impl Worker {
 
     fn gather(&mut self, mine: &Announce) -> Result<Vec<Announce>> {
         let n = self.comm.size();
-        let all = self.comm.allgather(&mine.encode(), 1)?;
+        // The announcements are small: the flat path is the fast one for them.
+        let hier = self.comm.hier_allgather;
+        self.comm.hier_allgather = false;
+        let all = self.comm.allgather(&mine.encode(), 1);
+        self.comm.hier_allgather = hier;
+        let all = all?;
         let mut out = Vec::with_capacity(n);
         let mut at = 0usize;
         for r in 0..n {

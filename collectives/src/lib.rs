@@ -39,6 +39,7 @@ mod connect;
 mod dtype;
 mod engine;
 mod error;
+mod hier_gather;
 mod link;
 mod mailbox;
 mod ops;

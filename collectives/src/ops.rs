@@ -697,6 +697,13 @@ impl Communicator {
             })?;
             return Ok(input.to_vec());
         }
+        let hier = self.hier_allgather;
+        if let Some(mut h) = self.hier.take_if(|_| hier) {
+            let done = self.allgather_by_host(&mut h, input, row_len, local);
+            self.hier = Some(h);
+            self.forget_timeouts();
+            return done.map_err(|e| self.fail(e));
+        }
         let bytes = std::mem::size_of_val(input);
         let mut mine = desc::<T>(Kind::Allgather, None, seq, input.len());
         mine.row_len = row_len as u64;

@@ -306,6 +306,40 @@ mod tests {
             let e = Launch::from_env(&bad).unwrap_err().to_string();
             assert!(e.contains("HVD_TCP_STREAMS") && e.contains(v), "{e}");
         }
+        assert_eq!(l.hierarchical_allgather, None);
+        let mut e = full();
+        e.insert(rv::ENV_HIERARCHICAL_ALLGATHER.into(), "1".into());
+        assert_eq!(
+            Launch::from_env(&e)
+                .unwrap()
+                .unwrap()
+                .hierarchical_allgather,
+            Some(true)
+        );
+        e.insert(rv::ENV_HIERARCHICAL_ALLGATHER.into(), "2".into());
+        let err = Launch::from_env(&e).unwrap_err().to_string();
+        assert!(
+            err.contains("HOROVOD_HIERARCHICAL_ALLGATHER") && err.contains("'2'"),
+            "{err}"
+        );
+        // Horovod's Gloo timeout is the arrival timeout, unless hvd's own variable is set.
+        assert_eq!(l.arrival_timeout, Duration::from_secs(300));
+        let mut e = full();
+        e.insert(rv::ENV_GLOO_TIMEOUT_SECONDS.into(), "45".into());
+        let gloo = Launch::from_env(&e).unwrap().unwrap();
+        assert_eq!(gloo.arrival_timeout, Duration::from_secs(45));
+        e.insert(rv::ENV_ARRIVAL_TIMEOUT.into(), "9".into());
+        assert_eq!(
+            Launch::from_env(&e).unwrap().unwrap().arrival_timeout,
+            Duration::from_secs(9)
+        );
+        let mut bad = full();
+        bad.insert(rv::ENV_GLOO_TIMEOUT_SECONDS.into(), "0".into());
+        let err = Launch::from_env(&bad).unwrap_err().to_string();
+        assert!(
+            err.contains("HOROVOD_GLOO_TIMEOUT_SECONDS") && err.contains("'0'"),
+            "{err}"
+        );
         let mut bad = full();
         bad.insert(rv::ENV_HIERARCHICAL_ALLREDUCE.into(), "yes".into());
         let e = Launch::from_env(&bad).unwrap_err().to_string();

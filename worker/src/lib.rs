@@ -571,6 +571,53 @@ pub fn engine_config_from(env: &dyn Env) -> Result<EngineConfig> {
     Ok(cfg)
 }
 
+/// How a worker's log lines look, from Horovod's variables: what a program that installs a
+/// tracing subscriber should give it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogSettings {
+    /// The filter directives: `RUST_LOG` where set, else the level `HOROVOD_LOG_LEVEL` names,
+    /// else the program's default.
+    pub filter: String,
+    /// Leave the time out of each line (`HOROVOD_LOG_HIDE_TIME=1`).
+    pub hide_time: bool,
+}
+
+/// The log filter and format from `RUST_LOG`, `HOROVOD_LOG_LEVEL` (TRACE, DEBUG, INFO,
+/// WARNING, ERROR, FATAL, any case; FATAL logs errors) and `HOROVOD_LOG_HIDE_TIME`, with
+/// `default` as the filter when neither level variable is set.
+///
+/// # Errors
+/// [`Error::Env`] naming a level or switch that is not one of those.
+pub fn log_settings_from(env: &dyn Env, default: &str) -> Result<LogSettings> {
+    let level = match env.var(hvd_rendezvous::ENV_LOG_LEVEL) {
+        None => None,
+        Some(v) => Some(match v.trim().to_ascii_uppercase().as_str() {
+            "TRACE" => "trace",
+            "DEBUG" => "debug",
+            "INFO" => "info",
+            "WARNING" | "WARN" => "warn",
+            "ERROR" | "FATAL" => "error",
+            _ => {
+                return Err(Error::Env {
+                    var: hvd_rendezvous::ENV_LOG_LEVEL,
+                    detail: format!(
+                        "'{v}' is not one of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL"
+                    ),
+                });
+            }
+        }),
+    };
+    let filter = env
+        .var("RUST_LOG")
+        .filter(|v| !v.trim().is_empty())
+        .or_else(|| level.map(String::from))
+        .unwrap_or_else(|| default.to_string());
+    Ok(LogSettings {
+        filter,
+        hide_time: switch(env, hvd_rendezvous::ENV_LOG_HIDE_TIME)? == Some(true),
+    })
+}
+
 /// Hands the communicator to a background [`Engine`]: named, asynchronous collectives
 /// ([`hvd_collectives::Submitter::allreduce_async`] and the others) matched across ranks by
 /// name, allreduces fused. Meanwhile the synchronous collectives below are thin wrappers
