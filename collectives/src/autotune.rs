@@ -353,7 +353,7 @@ impl BayesianOptimizer {
             .collect()
     }
 
-    fn from_unit(&self, u: &[f64]) -> Vec<f64> {
+    fn unit_to_box(&self, u: &[f64]) -> Vec<f64> {
         u.iter()
             .zip(&self.bounds)
             .map(|(v, (lo, hi))| lo + v * (hi - lo))
@@ -373,7 +373,7 @@ impl BayesianOptimizer {
             .iter()
             .enumerate()
             .max_by(|a, b| a.1.total_cmp(b.1))?;
-        Some((self.from_unit(&self.xs[i]), *y))
+        Some((self.unit_to_box(&self.xs[i]), *y))
     }
 
     /// The Gaussian process over the samples, scores scaled to zero mean and unit variance,
@@ -396,7 +396,7 @@ impl BayesianOptimizer {
         let d = self.bounds.len();
         let Some(gp) = self.model() else {
             let u: Vec<f64> = (0..d).map(|_| self.rng.unit()).collect();
-            return self.from_unit(&u);
+            return self.unit_to_box(&u);
         };
         // With noise, the best mean at a sample stands for the best seen (not the best score).
         let best = self
@@ -440,7 +440,7 @@ impl BayesianOptimizer {
                 top = (v, u);
             }
         }
-        self.from_unit(&top.1)
+        self.unit_to_box(&top.1)
     }
 }
 

@@ -89,7 +89,7 @@ fn bad_calls_fail_on_every_rank_and_the_communicator_survives() {
             let r = comm.rank();
             // Rank 3 passes rows of 2 where the others pass rows of 3.
             let row = if r == 3 { 2 } else { 3 };
-            let mismatch = comm.allgather(&vec![1i32; 6], row).unwrap_err().to_string();
+            let mismatch = comm.allgather(&[1i32; 6], row).unwrap_err().to_string();
             // Rank 1's contribution is not whole rows.
             let n = if r == 1 { 4 } else { 3 };
             let ragged = comm.allgather(&vec![1i32; n], 3).unwrap_err().to_string();

@@ -537,11 +537,13 @@ pub fn engine_config_from(env: &dyn Env) -> Result<EngineConfig> {
         });
     }
     if switch(env, rv::ENV_AUTOTUNE)? == Some(true) {
-        let mut a = hvd_collectives::AutotuneConfig::default();
-        a.log = env
-            .var(rv::ENV_AUTOTUNE_LOG)
-            .filter(|p| !p.trim().is_empty())
-            .map(std::path::PathBuf::from);
+        let mut a = hvd_collectives::AutotuneConfig {
+            log: env
+                .var(rv::ENV_AUTOTUNE_LOG)
+                .filter(|p| !p.trim().is_empty())
+                .map(std::path::PathBuf::from),
+            ..hvd_collectives::AutotuneConfig::default()
+        };
         if let Some(k) = count(rv::ENV_AUTOTUNE_WARMUP_SAMPLES)? {
             a.warmup_samples = k;
         }
