@@ -110,3 +110,31 @@ fn bad_calls_fail_on_every_rank_and_the_communicator_survives() {
         assert_eq!(after, vec![0.0, 1.0, 2.0, 3.0], "rank {r}");
     }
 }
+
+#[test]
+fn one_rank_refusing_makes_allgather_flat_everywhere_and_leaves_allreduce_alone() {
+    let ips = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
+    let out = world_on(
+        &ips,
+        |cfg| {
+            if cfg.rank == 2 {
+                cfg.hierarchical_allgather = Some(false);
+            }
+        },
+        |comm| {
+            let got = comm.allgather(&[comm.rank() as i32; 2], 2).unwrap();
+            (
+                got,
+                comm.is_hierarchical_allgather(),
+                comm.is_hierarchical(),
+            )
+        },
+    );
+    for (r, (got, gather, reduce)) in out.into_iter().enumerate() {
+        assert_eq!(got, vec![0, 0, 1, 1, 2, 2, 3, 3], "rank {r}");
+        assert!(
+            !gather && reduce,
+            "rank {r}: allgather flat, allreduce hierarchical"
+        );
+    }
+}
