@@ -205,7 +205,7 @@ impl Communicator {
             &host_of,
             cfg.same_host_copy,
             u8::from(cfg.hierarchical != Some(false))
-                | (u8::from(cfg.hierarchical_allgather != Some(false)) << 1),
+                | (u8::from(cfg.hierarchical_allgather == Some(true)) << 1),
             &mailbox,
             crate::cma::CoreOffer::own(cfg.cores),
         )
@@ -294,7 +294,8 @@ impl Communicator {
             cross: Box::new(cross),
             groups,
         });
-        // What every rank wants: one rank's 0 makes that collective flat everywhere.
+        // What every rank wants: one rank's 0 makes allreduce flat everywhere; allgather is
+        // hierarchical only where every rank asked for it (Horovod's default is flat).
         self.hier_allreduce = agreed.hierarchical & 1 != 0;
         self.hier_allgather = agreed.hierarchical & 2 != 0;
         Ok(())

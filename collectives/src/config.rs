@@ -36,7 +36,9 @@ pub struct CommConfig {
     /// Ranks listening on one address form one host. Every rank must want it.
     pub hierarchical: Option<bool>,
     /// Hierarchical allgather (gather on each host, allgather across hosts, broadcast on each
-    /// host), with the same rules and choices as [`CommConfig::hierarchical`].
+    /// host) where the hosts allow it, as for [`CommConfig::hierarchical`], but off unless every
+    /// rank asks for it with `Some(true)` (Horovod's default: for small rows the three steps
+    /// cost more than the flat ring). Autotune may switch it on where it is not `Some(false)`.
     pub hierarchical_allgather: Option<bool>,
     /// TCP connections to each peer (1 to 15); with more than one, the ring's segments are
     /// striped over all of them, which pays where one stream cannot fill a link (a long, fat

@@ -49,10 +49,18 @@ fn two_hosts_and_three_interleaved_hosts_gather_in_rank_order() {
         ][..],
     ] {
         let (a, b) = expected(ips.len());
-        for (r, (ga, gb, hier)) in gathers(ips, None).into_iter().enumerate() {
+        for (r, (ga, gb, hier)) in gathers(ips, Some(true)).into_iter().enumerate() {
             assert!(
                 hier,
-                "{ips:?}: rank {r} gathers hierarchically where it applies"
+                "{ips:?}: rank {r} gathers hierarchically where asked and it applies"
+            );
+            assert_eq!(ga, a, "{ips:?}: rank {r}");
+            assert!(gb == b, "{ips:?}: rank {r}: large rows differ");
+        }
+        for (r, (ga, gb, hier)) in gathers(ips, None).into_iter().enumerate() {
+            assert!(
+                !hier,
+                "{ips:?}: rank {r}: flat unless asked for (Horovod's default)"
             );
             assert_eq!(ga, a, "{ips:?}: rank {r}");
             assert!(gb == b, "{ips:?}: rank {r}: large rows differ");
@@ -84,7 +92,7 @@ fn bad_calls_fail_on_every_rank_and_the_communicator_survives() {
     let ips = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
     let out = world_on(
         &ips,
-        |_| {},
+        |cfg| cfg.hierarchical_allgather = Some(true),
         |comm| {
             let r = comm.rank();
             // Rank 3 passes rows of 2 where the others pass rows of 3.
@@ -117,9 +125,7 @@ fn one_rank_refusing_makes_allgather_flat_everywhere_and_leaves_allreduce_alone(
     let out = world_on(
         &ips,
         |cfg| {
-            if cfg.rank == 2 {
-                cfg.hierarchical_allgather = Some(false);
-            }
+            cfg.hierarchical_allgather = Some(cfg.rank != 2);
         },
         |comm| {
             let got = comm.allgather(&[comm.rank() as i32; 2], 2).unwrap();
