@@ -259,8 +259,10 @@ fn allreduce_async_(
     owner: Py<PyAny>,
 ) -> PyResult<AsyncHandle> {
     let op = op_from(op)?;
-    let lent = Region::new(address, count, DType::parse(dtype)?)?.lend(owner);
+    let dtype = DType::parse(dtype)?;
+    let lent = Region::new(address, count, dtype)?.lend(owner);
     let s = submitter()?;
+    hvd::elastic::steps::count_allreduce(count.saturating_mul(dtype.size()));
     let pending = submit_each!(lent, b => s.allreduce_async(&name, b, op));
     Ok(AsyncHandle {
         pending: Mutex::new(Some(pending)),
@@ -323,6 +325,12 @@ fn updates_through() -> u64 {
 #[pyfunction]
 fn latest_update() -> u64 {
     hvd::elastic::steps::latest_update()
+}
+
+/// Counts one committed training step for the driver's step rate.
+#[pyfunction]
+fn count_step() {
+    hvd::elastic::steps::count_step();
 }
 
 /// Rebuilds the previous round's process sets for the current one.
@@ -528,6 +536,7 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
     m.add_function(wrap_pyfunction!(topology, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_, m)?)?;
+    m.add_function(wrap_pyfunction!(count_step, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_, m)?)?;
     m.add_function(wrap_pyfunction!(barrier, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_async_, m)?)?;

@@ -45,7 +45,7 @@ impl DType {
     }
 
     /// Bytes per element, which is also the alignment the element needs.
-    fn size(self) -> usize {
+    pub(crate) fn size(self) -> usize {
         match self {
             Self::U8 => 1,
             Self::F16 | Self::BF16 => 2,

@@ -71,13 +71,11 @@ impl Progress {
 }
 
 /// Counts one training step (a commit of the elastic state).
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn count_step() {
     PROGRESS.steps.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Counts one allreduce of `bytes` bytes.
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn count_allreduce(bytes: usize) {
     PROGRESS.allreduces.fetch_add(1, Ordering::Relaxed);
     PROGRESS

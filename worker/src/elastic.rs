@@ -197,6 +197,7 @@ impl<S: Syncable> State<S> {
     fn save(&mut self) {
         self.saved = self.value.clone();
         self.commits += 1;
+        crate::client::count_step();
     }
 
     /// Returns the current value to the last commit.
@@ -333,6 +334,18 @@ pub mod steps {
     /// The highest host-update id the driver has announced to this worker (0: none).
     pub fn latest_update() -> u64 {
         crate::latest_update()
+    }
+
+    /// Counts one committed training step for the driver's step rate (`State::commit` counts
+    /// its own; a frontend that commits its own way calls this).
+    pub fn count_step() {
+        crate::client::count_step();
+    }
+
+    /// Counts one allreduce of `bytes` for the driver's allreduce rates (hvd's own allreduce
+    /// functions count theirs; a frontend that submits to the engine directly calls this).
+    pub fn count_allreduce(bytes: usize) {
+        crate::client::count_allreduce(bytes);
     }
 
     /// Rebuilds the process sets of the previous round for the current one.

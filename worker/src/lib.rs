@@ -718,6 +718,7 @@ pub fn join() -> Result<usize> {
 /// # Errors
 /// [`Error::NotInitialized`]; [`Error::Comm`] on a mismatch or a peer failure.
 pub fn allreduce<T: Element>(buf: &mut [T], op: ReduceOp) -> Result<()> {
+    client::count_allreduce(std::mem::size_of_val(buf));
     if let Some((s, name)) = through_engine()? {
         let v = s.allreduce_async(&name, buf.to_vec(), op).wait()?;
         buf.copy_from_slice(&v);
@@ -731,6 +732,9 @@ pub fn allreduce<T: Element>(buf: &mut [T], op: ReduceOp) -> Result<()> {
 /// # Errors
 /// As [`allreduce`].
 pub fn grouped_allreduce<T: Element>(bufs: &mut [&mut [T]], op: ReduceOp) -> Result<()> {
+    for b in bufs.iter() {
+        client::count_allreduce(std::mem::size_of_val(&**b));
+    }
     if let Some((s, name)) = through_engine()? {
         // Submitted together, they are agreed in one cycle and fused.
         let handles: Vec<_> = bufs

@@ -177,6 +177,7 @@ pub fn with_process_set<R>(
 /// # Errors
 /// As [`with_process_set`].
 pub fn allreduce_on<T: Element>(set: &ProcessSet, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    crate::client::count_allreduce(std::mem::size_of_val(buf));
     with_process_set(set, |c| c.allreduce(buf, op))
 }
 

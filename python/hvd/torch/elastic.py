@@ -44,6 +44,7 @@ class State:
         host updates (raising ``HostsUpdatedInterrupt`` on every rank at the same step)."""
         self.save()
         self._commits += 1
+        _hvd.count_step()
         self.check_host_updates()
 
     def check_host_updates(self):
