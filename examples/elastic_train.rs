@@ -346,13 +346,15 @@ fn main() -> anyhow::Result<()> {
     if args.commit_every == 0 || args.batch_size == 0 {
         bail!("--commit-every and --batch-size must be at least 1");
     }
-    tracing_subscriber::fmt()
+    let log = hvd::log_settings_from(&hvd::ProcessEnv, "warn")?;
+    let fmt = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .init();
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&log.filter));
+    if log.hide_time {
+        fmt.without_time().init();
+    } else {
+        fmt.init();
+    }
     match train(&args) {
         Err(e) => match e.downcast_ref::<hvd::Error>() {
             Some(hvd::Error::Removed { reason }) => {
