@@ -399,7 +399,10 @@ fn the_status_endpoint_answers_ipv4_and_ipv6_clients_with_json() {
         assert_eq!(v["workers"], 2, "{addr}: {v}");
         let (code, v) = http_get(addr, "/caf\u{e9}/\"\\".as_bytes());
         assert_eq!(code, 404, "{addr}: {v}");
-        assert_eq!(v["error"], "no such path: /caf\u{e9}/\"\\; try /status or /metrics");
+        assert_eq!(
+            v["error"],
+            "no such path: /caf\u{e9}/\"\\; try /status or /metrics"
+        );
     }
     let (code, err, _) = job.finish();
     assert_eq!(code, 0, "{err}");
