@@ -2,7 +2,7 @@
 //!
 //! Rank 0's engine scores every setting by the bytes its ops move per microsecond of engine
 //! time (from the moment an op is pending until the cycle that ran it ends), over a sample of
-//! five sub-samples of `steps_per_sample` steps each (a step is a cycle that ran ops), taking
+//! five sub-samples of `steps_per_sample` steps each (a step is each op once, as in Horovod), taking
 //! the median sub-score so that a slow outlier (a fusion buffer growing, a page-fault storm)
 //! does not mislead it. The first `warmup_samples` samples are discarded.
 //!
@@ -107,7 +107,7 @@ pub struct Held {
 pub struct AutotuneConfig {
     /// Samples discarded before scoring starts (default 3).
     pub warmup_samples: usize,
-    /// Steps (cycles that ran ops) per sub-sample; a sample is five of them (default 10).
+    /// Training steps (each op once) per sub-sample; a sample is five of them (default 10).
     pub steps_per_sample: usize,
     /// Samples of the Bayesian optimisation of fusion threshold and cycle time (default 20).
     pub max_samples: usize,
@@ -492,10 +492,12 @@ pub struct Tuner {
     bayes_samples: usize,
     tests: VecDeque<(f64, f64)>,
     flags: VecDeque<Flag>,
-    /// The sub-sample under way: bytes, time, steps; and the finished sub-samples' scores.
+    /// The sub-sample under way: bytes, time, cycles, how often each op name ran in it; and
+    /// the finished sub-samples' scores.
     bytes: u64,
     time: Duration,
     steps: usize,
+    seen: std::collections::HashMap<String, usize>,
     scores: Vec<f64>,
     /// Samples scored (warm-up excluded).
     samples: usize,
@@ -526,10 +528,18 @@ impl Tuner {
             bounds.push((cycle_axis(CYCLE_MS.0), cycle_axis(CYCLE_MS.1)));
         }
         let log = cfg.log.as_ref().and_then(|path| {
-            let opened = std::fs::File::create(path).and_then(|mut f| {
-                writeln!(f, "{LOG_HEADER}")?;
-                Ok(f)
-            });
+            // Appended to, so that the rounds of an elastic job (each tunes afresh) all stay in
+            // it; horovodrun empties the file when the job starts, and the header is written once.
+            let opened = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .and_then(|mut f| {
+                    if f.metadata()?.len() == 0 {
+                        writeln!(f, "{LOG_HEADER}")?;
+                    }
+                    Ok(f)
+                });
             match opened {
                 Ok(f) => Some(f),
                 Err(e) => {
@@ -561,6 +571,7 @@ impl Tuner {
             bytes: 0,
             time: Duration::ZERO,
             steps: 0,
+            seen: std::collections::HashMap::new(),
             scores: Vec::new(),
             samples: 0,
             log,
@@ -583,18 +594,45 @@ impl Tuner {
         self.best
     }
 
-    /// Records one step: `bytes` moved in `time` of engine time. Returns the setting every
-    /// rank must apply next when this step completed a sample and the tuner moves on.
-    pub fn step(&mut self, bytes: u64, time: Duration) -> Option<Setting> {
+    /// Records one cycle that ran the ops `names`, moving `bytes` in `time` of engine time.
+    /// As in Horovod, a training step is each op once: a sub-sample ends when an op is about
+    /// to run a `steps_per_sample + 1`-th time in it (that cycle counts towards the next one),
+    /// or, for programs whose op names never repeat, after `64 × steps_per_sample` cycles.
+    /// Returns the setting every rank must apply next when a sample completed and the tuner
+    /// moves on.
+    pub fn step<'a>(
+        &mut self,
+        names: impl IntoIterator<Item = &'a str>,
+        bytes: u64,
+        time: Duration,
+    ) -> Option<Setting> {
         if self.stage == Stage::Done {
             return None;
+        }
+        let per = self.cfg.steps_per_sample.max(1);
+        let mut repeated = false;
+        let names: Vec<&str> = names.into_iter().collect();
+        for n in &names {
+            repeated |= self.seen.get(*n).is_some_and(|&k| k >= per);
+        }
+        let ended = (repeated || self.steps >= 64 * per) && self.steps > 0;
+        let next = if ended { self.close_sub_sample() } else { None };
+        if next.is_some() {
+            // This cycle ran under the setting being left: it scores neither.
+            return next;
         }
         self.bytes += bytes;
         self.time += time;
         self.steps += 1;
-        if self.steps < self.cfg.steps_per_sample.max(1) {
-            return None;
+        for n in names {
+            *self.seen.entry(n.to_string()).or_insert(0) += 1;
         }
+        next
+    }
+
+    /// Scores the sub-sample under way; after five, the sample is scored and the next setting
+    /// chosen.
+    fn close_sub_sample(&mut self) -> Option<Setting> {
         let micros = self.time.as_secs_f64() * 1e6;
         self.scores.push(if micros > 0.0 {
             self.bytes as f64 / micros
@@ -602,6 +640,7 @@ impl Tuner {
             0.0
         });
         (self.bytes, self.time, self.steps) = (0, Duration::ZERO, 0);
+        self.seen.clear();
         if self.scores.len() < SUB_SAMPLES {
             return None;
         }
@@ -849,7 +888,7 @@ mod tests {
             let s = t.setting();
             // One step moves 1 MB at the setting's throughput.
             let micros = 1e6 / throughput(&s);
-            if let Some(next) = t.step(1_000_000, Duration::from_secs_f64(micros / 1e6)) {
+            if let Some(next) = t.step(["w"], 1_000_000, Duration::from_secs_f64(micros / 1e6)) {
                 applied.push(next);
             }
         }
@@ -895,7 +934,11 @@ mod tests {
         while !t.is_done() {
             let s = t.setting();
             seen.push(s);
-            t.step(1_000_000, Duration::from_secs_f64(1.0 / throughput(&s)));
+            t.step(
+                ["w"],
+                1_000_000,
+                Duration::from_secs_f64(1.0 / throughput(&s)),
+            );
         }
         assert!(seen.iter().all(|s| s.cycle == start().cycle && s.cache));
         assert!(seen.iter().any(|s| s.fusion_bytes != 0), "fusion is tuned");

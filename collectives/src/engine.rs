@@ -52,7 +52,7 @@ pub struct EngineConfig {
     /// (`HOROVOD_STALL_CHECK_TIME_SECONDS`).
     pub stall_warning: Duration,
     /// How long an op may wait before it fails on every rank as stalled; zero (the default),
-    /// or a time not above `stall_warning`, never fails it
+    /// or a time below `stall_warning`, never fails it
     /// (`HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`).
     pub stall_shutdown: Duration,
     /// Whether the stall check runs at all (`HOROVOD_STALL_CHECK_DISABLE=1` turns it off).
@@ -1127,9 +1127,10 @@ impl Worker {
             let end = Instant::now();
             let time = end.saturating_duration_since(first.max(self.last_step));
             self.last_step = end;
-            // A cycle that switched settings ran its ops under two of them: not scored.
+            // A cycle that switched settings waited out its cycle under the old one: not scored.
             if switch.is_none() {
-                if let Some(next) = self.tuner.as_mut().and_then(|t| t.step(bytes, time)) {
+                let names = ready.iter().map(String::as_str);
+                if let Some(next) = self.tuner.as_mut().and_then(|t| t.step(names, bytes, time)) {
                     let tuning = self.tuner.as_ref().is_some_and(|t| !t.is_done());
                     self.proposed = Some((next, tuning));
                 }
@@ -1198,7 +1199,7 @@ impl Worker {
         self.warned.retain(|k, _| seen_now.contains(k.as_str()));
         let warning = self.cfg.stall_warning.as_millis() as u64;
         let shutdown = Some(self.cfg.stall_shutdown)
-            .filter(|d| !d.is_zero() && *d > self.cfg.stall_warning)
+            .filter(|d| !d.is_zero() && *d >= self.cfg.stall_warning)
             .map(|d| d.as_millis() as u64);
         let mut names: Vec<&str> = seen_now.into_iter().collect();
         names.sort_unstable();

@@ -297,9 +297,10 @@ pub struct Args {
     #[arg(long = "num-nccl-streams", value_name = "N")]
     pub num_nccl_streams: Option<u32>,
 
-    /// Core each worker's engine thread is pinned to.
-    #[arg(long = "thread-affinity", value_name = "CORE")]
-    pub thread_affinity: Option<u32>,
+    /// Cores the workers' engine threads are pinned to, one per rank of a host: local rank i
+    /// takes the i-th (`0,1,2,3`); a list shorter than a host's ranks pins nothing.
+    #[arg(long = "thread-affinity", value_name = "CORES")]
+    pub thread_affinity: Option<String>,
 
     /// Seconds a collective waits for its peers before it fails (Horovod's Gloo timeout;
     /// hvd's default is 300).

@@ -66,8 +66,16 @@ struct StallCheck {
 struct LibraryOptions {
     mpi_threads_disable: Option<bool>,
     num_nccl_streams: Option<u32>,
-    thread_affinity: Option<u32>,
+    thread_affinity: Option<ThreadAffinity>,
     gloo_timeout_seconds: Option<u64>,
+}
+
+/// `library_options.thread_affinity`: a core (Horovod's type) or a list, `0,1,2,3`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum ThreadAffinity {
+    One(u32),
+    List(String),
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -195,7 +203,13 @@ fn apply_config(args: &mut Args, path: &Path, text: &str) -> anyhow::Result<()> 
             l.mpi_threads_disable,
         );
         fill(&mut args.num_nccl_streams, l.num_nccl_streams);
-        fill(&mut args.thread_affinity, l.thread_affinity);
+        fill(
+            &mut args.thread_affinity,
+            l.thread_affinity.map(|a| match a {
+                ThreadAffinity::One(c) => c.to_string(),
+                ThreadAffinity::List(l) => l,
+            }),
+        );
         fill(&mut args.gloo_timeout_seconds, l.gloo_timeout_seconds);
     }
     if let Some(l) = cfg.logging {
@@ -242,6 +256,9 @@ pub fn knob_env(args: &Args) -> anyhow::Result<Vec<(String, String)>> {
         set(rv::ENV_AUTOTUNE, "1".into());
         if let Some(p) = &args.autotune_log_file {
             let abs = std::path::absolute(p)
+                .with_context(|| format!("--autotune-log-file {}", p.display()))?;
+            // Emptied once here: rank 0 of each elastic round appends its samples.
+            std::fs::write(&abs, "")
                 .with_context(|| format!("--autotune-log-file {}", p.display()))?;
             set(rv::ENV_AUTOTUNE_LOG, abs.display().to_string());
         }
@@ -307,10 +324,15 @@ pub fn knob_env(args: &Args) -> anyhow::Result<Vec<(String, String)>> {
         set(rv::ENV_STALL_CHECK_TIME, w.to_string());
     }
     if let Some(s) = args.stall_check_shutdown_time_seconds {
-        let warning = args.stall_check_warning_time_seconds.unwrap_or(60);
-        if s > 0 && s <= warning {
+        let warning = args.stall_check_warning_time_seconds.unwrap_or_else(|| {
+            std::env::var(rv::ENV_STALL_CHECK_TIME)
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(60)
+        });
+        if s > 0 && s < warning {
             tracing::warn!(
-                "--stall-check-shutdown-time-seconds {s} is not above the warning time \
+                "--stall-check-shutdown-time-seconds {s} is below the warning time \
                  ({warning} s): stalled ops are only warned about, as with Horovod"
             );
         }
@@ -323,8 +345,20 @@ pub fn knob_env(args: &Args) -> anyhow::Result<Vec<(String, String)>> {
         tracing::info!("--num-nccl-streams {n}: this build has no NCCL, so it has no effect");
         set(rv::ENV_NUM_NCCL_STREAMS, n.to_string());
     }
-    if let Some(c) = args.thread_affinity {
-        set(rv::ENV_THREAD_AFFINITY, c.to_string());
+    if let Some(c) = &args.thread_affinity {
+        let cores: Result<Vec<u32>, _> = c.split(',').map(|k| k.trim().parse::<u32>()).collect();
+        match cores {
+            Ok(list) if !list.is_empty() => set(
+                rv::ENV_THREAD_AFFINITY,
+                list.iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+            ),
+            _ => bail!(
+                "--thread-affinity takes core numbers, one per rank of a host (0,1,2,3), not '{c}'"
+            ),
+        }
     }
     if let Some(t) = args.gloo_timeout_seconds {
         if t == 0 {
@@ -590,10 +624,10 @@ logging:
         assert_eq!(
             (
                 a.num_nccl_streams,
-                a.thread_affinity,
+                a.thread_affinity.as_deref(),
                 a.gloo_timeout_seconds
             ),
-            (Some(2), Some(1), Some(60))
+            (Some(2), Some("1"), Some(60))
         );
         assert_eq!(a.log_level, Some(LogLevel::Debug), "the flag wins");
         assert!(a.log_without_timestamp);
@@ -665,6 +699,12 @@ logging:
                 .contains("--autotune-steps-per-sample")
         );
         assert!(err(&["--gloo-timeout-seconds", "0", "x"]).contains("--gloo-timeout-seconds"));
+        assert!(err(&["--thread-affinity", "0,one", "x"]).contains("--thread-affinity"));
+        let env = knob_env(&parse(&["--thread-affinity", "0, 2,4", "x"])).unwrap();
+        assert_eq!(
+            env,
+            [("HOROVOD_THREAD_AFFINITY".to_string(), "0,2,4".to_string())]
+        );
         assert!(err(&["--num-nccl-streams", "0", "x"]).contains("--num-nccl-streams"));
         // Without --autotune its settings set nothing, as with Horovod.
         let env = knob_env(&parse(&["--autotune-warmup-samples", "2", "x"])).unwrap();

@@ -246,9 +246,10 @@ impl Observer {
     pub fn input(&mut self, now: Duration, input: &Input, core: &Core) {
         let failed = match input {
             Input::Exited { worker, exit } => !exit.success && core.is_live(*worker),
-            Input::Unresponsive { worker, .. } => {
+            // The core acts only on live workers' silence; so does the count.
+            Input::Unresponsive { worker, .. } if core.is_live(*worker) => {
                 self.metrics.heartbeat_failures.inc();
-                core.is_live(*worker)
+                true
             }
             _ => false,
         };
@@ -293,13 +294,29 @@ impl Observer {
         } else {
             self.round_began = None;
         }
+        // Rates hold only while the job trains: a rescale or an end sets them to 0, and the
+        // next rank 0 starts over.
+        if s.phase != JobPhase::Running {
+            self.progress = None;
+            self.zero_rates();
+        }
+    }
+
+    fn zero_rates(&self) {
+        let m = &self.metrics;
+        m.steps.set(0.0);
+        m.allreduces.set(0.0);
+        m.allreduce_bytes.set(0.0);
     }
 
     /// Rank 0 (`worker`) reported its counts at `now`: the rates since its last report.
     /// A report from another worker (a new rank 0) or with smaller counts (a new process)
-    /// starts over.
+    /// starts over, the rates at 0 until its next report.
     pub fn progress(&mut self, now: Duration, worker: WorkerId, p: Progress) {
         if let Some((w, then, last)) = self.progress.replace((worker, now, p)) {
+            if w != worker {
+                self.zero_rates();
+            }
             let secs = now.saturating_sub(then).as_secs_f64();
             let grew = p.steps >= last.steps
                 && p.allreduces >= last.allreduces
@@ -420,11 +437,19 @@ mod tests {
         assert_eq!(value(&t, "hvd_training_steps_per_second"), 10.0);
         assert_eq!(value(&t, "hvd_allreduces_per_second"), 20.0);
         assert_eq!(value(&t, "hvd_allreduce_bytes_per_second"), 800.0);
-        // A new rank 0: its first report sets nothing, its second does.
+        // A new rank 0: its first report sets the rates to 0, its second sets them.
         o.progress(secs(4.0), 7, p(1, 1, 1));
-        assert_eq!(value(&text(&m), "hvd_training_steps_per_second"), 10.0);
+        assert_eq!(value(&text(&m), "hvd_training_steps_per_second"), 0.0);
         o.progress(secs(5.0), 7, p(6, 1, 1));
         assert_eq!(value(&text(&m), "hvd_training_steps_per_second"), 5.0);
+        // A rescale (and an end) sets them to 0, and the next report starts over.
+        o.snapshot(secs(6.0), &snap(JobPhase::Rescaling, 1, 1));
+        assert_eq!(value(&text(&m), "hvd_training_steps_per_second"), 0.0);
+        o.snapshot(secs(7.0), &snap(JobPhase::Running, 2, 1));
+        o.progress(secs(8.0), 7, p(16, 1, 1));
+        assert_eq!(value(&text(&m), "hvd_training_steps_per_second"), 0.0);
+        o.progress(secs(9.0), 7, p(18, 1, 1));
+        assert_eq!(value(&text(&m), "hvd_training_steps_per_second"), 2.0);
     }
 
     #[test]

@@ -327,6 +327,13 @@ fn latest_update() -> u64 {
     hvd::elastic::steps::latest_update()
 }
 
+/// The newest host update any rank has been told of (a max-allreduce: every rank calls it at
+/// the same point).
+#[pyfunction]
+fn newest_update(py: Python<'_>) -> PyResult<u64> {
+    py.detach(hvd::elastic::steps::newest_update).map_err(raise)
+}
+
 /// Counts one committed training step for the driver's step rate.
 #[pyfunction]
 fn count_step() {
@@ -556,6 +563,7 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(topology, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_, m)?)?;
     m.add_function(wrap_pyfunction!(count_step, m)?)?;
+    m.add_function(wrap_pyfunction!(newest_update, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_, m)?)?;
     m.add_function(wrap_pyfunction!(barrier, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_async_, m)?)?;

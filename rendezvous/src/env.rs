@@ -57,10 +57,11 @@ pub const ENV_AUTOTUNE_BAYES_OPT_MAX_SAMPLES: &str = "HOROVOD_AUTOTUNE_BAYES_OPT
 /// Noise regularisation of autotune's Gaussian process, 0 to 1
 /// (`--autotune-gaussian-process-noise`, default 0.8).
 pub const ENV_AUTOTUNE_GAUSSIAN_PROCESS_NOISE: &str = "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE";
-/// Seconds a collective may take to complete before it fails (Horovod's name;
-/// `--gloo-timeout-seconds`, default 30).
+/// Seconds a collective waits for its peers before it fails (Horovod's name;
+/// `--gloo-timeout-seconds`; hvd's default is 300, Horovod's 30).
 pub const ENV_GLOO_TIMEOUT_SECONDS: &str = "HOROVOD_GLOO_TIMEOUT_SECONDS";
-/// Core the engine's background thread is pinned to (Horovod's name; `--thread-affinity`).
+/// Cores the engine's background threads of a host are pinned to, one per local rank
+/// (`0,1,2,3`; Horovod's name; `--thread-affinity`).
 pub const ENV_THREAD_AFFINITY: &str = "HOROVOD_THREAD_AFFINITY";
 /// NCCL streams per device (Horovod's name; `--num-nccl-streams`): this build has no NCCL, so
 /// it is recorded and has no effect.

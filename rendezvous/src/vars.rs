@@ -60,6 +60,13 @@ pub const HOROVOD_VARS: &[(&str, Meaning)] = &[
     ("HOROVOD_CPU_OPERATIONS", Meaning::Runtime),
     ("HOROVOD_CONTROLLER", Meaning::Runtime),
     (
+        "HOROVOD_TORUS_ALLREDUCE",
+        Meaning::Ignored(
+            "torus allreduce runs its cross-host step on NCCL, which this build lacks; \
+             HOROVOD_HIERARCHICAL_ALLREDUCE=1 has the same shape over hvd's transport",
+        ),
+    ),
+    (
         "HOROVOD_MPI_THREADS_DISABLE",
         Meaning::Ignored("hvd does not use MPI, so there are no MPI threads to disable"),
     ),

@@ -26,7 +26,7 @@
 
 use std::ops::{Deref, DerefMut};
 
-use hvd_collectives::{Element, ReduceOp};
+use hvd_collectives::Element;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -191,13 +191,13 @@ impl<S: Syncable> State<S> {
     /// [`Error::HostsUpdated`] (handled by [`run`]) or a collective error.
     pub fn commit(&mut self) -> Result<()> {
         self.save();
+        crate::client::count_step();
         self.check_host_updates()
     }
 
     fn save(&mut self) {
         self.saved = self.value.clone();
         self.commits += 1;
-        crate::client::count_step();
     }
 
     /// Returns the current value to the last commit.
@@ -212,9 +212,7 @@ impl<S: Syncable> State<S> {
     /// # Errors
     /// [`Error::HostsUpdated`] or a collective error.
     pub fn check_host_updates(&mut self) -> Result<()> {
-        let mut newest = [crate::latest_update() as i64];
-        crate::allreduce(&mut newest, ReduceOp::Max)?;
-        let newest = newest[0].max(0) as u64;
+        let newest = steps::newest_update()?;
         if newest > self.handled_update {
             self.handled_update = newest;
             return Err(Error::HostsUpdated { update_id: newest });
@@ -334,6 +332,18 @@ pub mod steps {
     /// The highest host-update id the driver has announced to this worker (0: none).
     pub fn latest_update() -> u64 {
         crate::latest_update()
+    }
+
+    /// The newest host update any rank has been told of: a max-allreduce of
+    /// [`latest_update`] (every rank calls it at the same point), left out of the allreduce
+    /// rates rank 0 reports.
+    ///
+    /// # Errors
+    /// A collective error.
+    pub fn newest_update() -> Result<u64> {
+        let mut newest = [crate::latest_update() as i64];
+        crate::allreduce_uncounted(&mut newest, crate::ReduceOp::Max)?;
+        Ok(newest[0].max(0) as u64)
     }
 
     /// Counts one committed training step for the driver's step rate (`State::commit` counts

@@ -316,10 +316,19 @@ mod tests {
                 .hierarchical_allgather,
             Some(true)
         );
+        // Read as Horovod reads it: an integer above 0 is on.
         e.insert(rv::ENV_HIERARCHICAL_ALLGATHER.into(), "2".into());
+        assert_eq!(
+            Launch::from_env(&e)
+                .unwrap()
+                .unwrap()
+                .hierarchical_allgather,
+            Some(true)
+        );
+        e.insert(rv::ENV_HIERARCHICAL_ALLGATHER.into(), "on".into());
         let err = Launch::from_env(&e).unwrap_err().to_string();
         assert!(
-            err.contains("HOROVOD_HIERARCHICAL_ALLGATHER") && err.contains("'2'"),
+            err.contains("HOROVOD_HIERARCHICAL_ALLGATHER") && err.contains("'on'"),
             "{err}"
         );
         // Horovod's Gloo timeout is the arrival timeout, unless hvd's own variable is set.

@@ -487,13 +487,48 @@ fn parsed<T: std::str::FromStr>(
 pub(crate) fn switch(env: &dyn Env, var: &'static str) -> Result<Option<bool>> {
     match env.var(var).as_deref().map(str::trim) {
         None | Some("") => Ok(None),
-        Some("1") => Ok(Some(true)),
-        Some("0") => Ok(Some(false)),
-        Some(v) => Err(Error::Env {
-            var,
-            detail: format!("'{v}' is neither 0 nor 1"),
-        }),
+        // As Horovod reads its switches: an integer above 0 is on, 0 or below off.
+        Some(v) => match v.parse::<i64>() {
+            Ok(n) => Ok(Some(n > 0)),
+            Err(_) => Err(Error::Env {
+                var,
+                detail: format!("'{v}' is not an integer (1 turns it on, 0 off)"),
+            }),
+        },
     }
+}
+
+/// The core of `HOROVOD_THREAD_AFFINITY` for this process, as Horovod reads it: a
+/// comma-separated list of cores, one per local rank, `list[local_rank]` being this one's.
+/// A list shorter than the host's ranks pins nothing (logged, as Horovod does).
+fn thread_affinity(env: &dyn Env) -> Result<Option<usize>> {
+    use hvd_rendezvous as rv;
+    let var = rv::ENV_THREAD_AFFINITY;
+    let Some(v) = env.var(var).filter(|v| !v.trim().is_empty()) else {
+        return Ok(None);
+    };
+    let cores: Vec<usize> = v
+        .split(',')
+        .map(|c| c.trim().parse())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| Error::Env {
+            var,
+            detail: format!("'{v}' is not a comma-separated list of core numbers"),
+        })?;
+    let index = |name: &'static str| -> Result<Option<usize>> {
+        parsed::<usize>(env, name, "a non-negative integer", |_| true)
+    };
+    let local_rank = index(rv::ENV_LOCAL_RANK)?.unwrap_or(0);
+    let local_size = index(rv::ENV_LOCAL_SIZE)?.unwrap_or(1).max(local_rank + 1);
+    if cores.len() < local_size {
+        tracing::warn!(
+            "{var}={v} names {} cores for the {local_size} ranks of this host: the engine \
+             thread is not pinned",
+            cores.len()
+        );
+        return Ok(None);
+    }
+    Ok(cores.get(local_rank).copied())
 }
 
 /// [`engine_config`] reading from `env`.
@@ -529,7 +564,7 @@ pub fn engine_config_from(env: &dyn Env) -> Result<EngineConfig> {
     if let Some(c) = cache {
         cfg.cache_capacity = c;
     }
-    cfg.thread_affinity = count(rv::ENV_THREAD_AFFINITY)?;
+    cfg.thread_affinity = thread_affinity(env)?;
     if positive(rv::ENV_NUM_NCCL_STREAMS)?.is_some() {
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| {
@@ -719,6 +754,12 @@ pub fn join() -> Result<usize> {
 /// [`Error::NotInitialized`]; [`Error::Comm`] on a mismatch or a peer failure.
 pub fn allreduce<T: Element>(buf: &mut [T], op: ReduceOp) -> Result<()> {
     client::count_allreduce(std::mem::size_of_val(buf));
+    allreduce_uncounted(buf, op)
+}
+
+/// [`allreduce`] left out of the rates rank 0 reports: hvd's own bookkeeping (the check for
+/// host updates at each commit).
+pub(crate) fn allreduce_uncounted<T: Element>(buf: &mut [T], op: ReduceOp) -> Result<()> {
     if let Some((s, name)) = through_engine()? {
         let v = s.allreduce_async(&name, buf.to_vec(), op).wait()?;
         buf.copy_from_slice(&v);

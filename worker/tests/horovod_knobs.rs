@@ -96,6 +96,19 @@ fn the_stall_check_has_horovod_s_three_variables() {
     );
     refused("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "later");
     refused("HOROVOD_STALL_CHECK_DISABLE", "true");
+    // Horovod's switches: an integer above 0 is on, 0 or below off.
+    let on = |v: &str| {
+        hvd::engine_config_from(&env(&[("HOROVOD_STALL_CHECK_DISABLE", v)]))
+            .unwrap()
+            .stall_check
+    };
+    assert!(!on("2") && !on("1") && on("0") && on("-1"));
+    assert!(
+        hvd::engine_config_from(&env(&[("HOROVOD_AUTOTUNE", "3")]))
+            .unwrap()
+            .autotune
+            .is_some()
+    );
 }
 
 #[test]
@@ -107,6 +120,39 @@ fn affinity_and_nccl_streams_are_checked() {
     .unwrap();
     assert_eq!(cfg.thread_affinity, Some(0));
     refused("HOROVOD_THREAD_AFFINITY", "core1");
+    // As Horovod: one core per local rank, this rank's by its local rank; a list shorter than
+    // the host's ranks pins nothing.
+    let pinned = |pairs: &[(&str, &str)]| {
+        hvd::engine_config_from(&env(pairs))
+            .unwrap()
+            .thread_affinity
+    };
+    let list = ("HOROVOD_THREAD_AFFINITY", "4,5,6,7");
+    assert_eq!(
+        pinned(&[
+            list,
+            ("HOROVOD_LOCAL_RANK", "2"),
+            ("HOROVOD_LOCAL_SIZE", "4")
+        ]),
+        Some(6)
+    );
+    assert_eq!(
+        pinned(&[
+            list,
+            ("HOROVOD_LOCAL_RANK", "0"),
+            ("HOROVOD_LOCAL_SIZE", "4")
+        ]),
+        Some(4)
+    );
+    assert_eq!(
+        pinned(&[
+            ("HOROVOD_THREAD_AFFINITY", "3"),
+            ("HOROVOD_LOCAL_RANK", "1"),
+            ("HOROVOD_LOCAL_SIZE", "2")
+        ]),
+        None
+    );
+    refused("HOROVOD_THREAD_AFFINITY", "1,x");
     refused("HOROVOD_NUM_NCCL_STREAMS", "0");
     // The engine runs pinned to an allowed core, and refuses one the process may not use.
     let e = hvd::Engine::start(hvd::Communicator::single(), cfg).unwrap();

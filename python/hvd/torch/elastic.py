@@ -50,8 +50,7 @@ class State:
     def check_host_updates(self):
         """Raises ``HostsUpdatedInterrupt`` on every rank at once when the driver announced a
         host change to any of them; every rank must call it at the same point."""
-        newest = torch.tensor([_hvd.latest_update()], dtype=torch.int64)
-        newest = int(_ops.allreduce_(newest, op=_ops.Max).item())
+        newest = _hvd.newest_update()
         if newest > self._handled_update:
             self._handled_update = newest
             raise HostsUpdatedInterrupt(f"hosts updated (update {newest})")
