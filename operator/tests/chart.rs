@@ -1519,6 +1519,22 @@ fn the_service_monitor_scrapes_the_operators_metrics_and_passes_its_crd() {
         ],
     );
     assert_eq!(sm.str(".metadata.labels.release").as_deref(), Some("prom"));
+    // No document repeats a key among its labels (a strict YAML reader refuses that).
+    let text = fs::read_to_string(&r.file).unwrap();
+    for doc in text.split("\n---") {
+        let keys: Vec<&str> = doc
+            .lines()
+            .skip_while(|l| l.trim() != "labels:")
+            .skip(1)
+            .take_while(|l| l.starts_with("    "))
+            .filter_map(|l| l.trim().split_once(':').map(|(k, _)| k))
+            .filter(|k| !k.starts_with('#'))
+            .collect();
+        let mut sorted = keys.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), keys.len(), "a label key twice in:\n{doc}");
+    }
     // The Service it selects carries those labels and reaches the operator's probe port.
     let svc = r.objects.get("Service", "hvd-metrics");
     for (path, want) in [
