@@ -346,15 +346,7 @@ fn main() -> anyhow::Result<()> {
     if args.commit_every == 0 || args.batch_size == 0 {
         bail!("--commit-every and --batch-size must be at least 1");
     }
-    let log = hvd::log_settings_from(&hvd::ProcessEnv, "warn")?;
-    let fmt = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::new(&log.filter));
-    if log.hide_time {
-        fmt.without_time().init();
-    } else {
-        fmt.init();
-    }
+    hvd::install_logging("warn")?;
     match train(&args) {
         Err(e) => match e.downcast_ref::<hvd::Error>() {
             Some(hvd::Error::Removed { reason }) => {

@@ -154,15 +154,7 @@ fn bursts<B: Buffer<Elem = f32>>(
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let log = hvd::log_settings_from(&hvd::ProcessEnv, "warn")?;
-    let fmt = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(&log.filter))
-        .with_writer(std::io::stderr);
-    if log.hide_time {
-        fmt.without_time().init();
-    } else {
-        fmt.init();
-    }
+    hvd::install_logging("warn")?;
     if let Some(n) = args.ranks {
         return in_process(&args, n);
     }

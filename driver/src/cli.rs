@@ -56,13 +56,7 @@ impl LogLevel {
 
     /// The `tracing` directive of the level (FATAL logs errors: tracing has no level above).
     pub fn directive(self) -> &'static str {
-        match self {
-            Self::Trace => "trace",
-            Self::Debug => "debug",
-            Self::Info => "info",
-            Self::Warning => "warn",
-            Self::Error | Self::Fatal => "error",
-        }
+        hvd_rendezvous::log_directive(self.name()).unwrap_or("warn")
     }
 }
 

@@ -536,27 +536,10 @@ fn stop_timeline() -> PyResult<()> {
 }
 
 /// The native module.
-/// Sends hvd's log to stderr, as Horovod's core logs: `RUST_LOG` where set, else
-/// `HOROVOD_LOG_LEVEL` (default WARNING), without the time under `HOROVOD_LOG_HIDE_TIME=1`. A
-/// program that installed a logger of its own keeps it.
-fn init_logging() -> PyResult<()> {
-    let log = hvd::log_settings_from(&hvd::ProcessEnv, "warn").map_err(raise)?;
-    let fmt = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(&log.filter))
-        .with_target(false)
-        .with_writer(std::io::stderr);
-    // An error here means a subscriber is installed already: that one stays.
-    let _ = if log.hide_time {
-        fmt.without_time().try_init()
-    } else {
-        fmt.try_init()
-    };
-    Ok(())
-}
-
 #[pymodule]
 fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    init_logging()?;
+    // hvd's warnings (stalls, recoveries) reach stderr, as Horovod's core logs.
+    hvd::install_logging("warn").map_err(raise)?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;

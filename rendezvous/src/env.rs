@@ -104,3 +104,17 @@ pub const ENV_ELASTIC_TIMEOUT: &str = "HOROVOD_ELASTIC_TIMEOUT";
 /// address, before it exits (`--driver-grace`; set only with a state store: without one a
 /// worker whose driver is gone exits at once).
 pub const ENV_DRIVER_GRACE: &str = "HVD_DRIVER_GRACE";
+
+/// The `tracing` directive of one of Horovod's log levels (`TRACE`, `DEBUG`, `INFO`,
+/// `WARNING`, `ERROR`, `FATAL`, any case; tracing has nothing above errors, so FATAL logs
+/// errors); `None` for another word.
+pub fn log_directive(level: &str) -> Option<&'static str> {
+    Some(match level.trim().to_ascii_uppercase().as_str() {
+        "TRACE" => "trace",
+        "DEBUG" => "debug",
+        "INFO" => "info",
+        "WARNING" | "WARN" => "warn",
+        "ERROR" | "FATAL" => "error",
+        _ => return None,
+    })
+}

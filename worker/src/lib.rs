@@ -628,21 +628,10 @@ pub struct LogSettings {
 pub fn log_settings_from(env: &dyn Env, default: &str) -> Result<LogSettings> {
     let level = match env.var(hvd_rendezvous::ENV_LOG_LEVEL) {
         None => None,
-        Some(v) => Some(match v.trim().to_ascii_uppercase().as_str() {
-            "TRACE" => "trace",
-            "DEBUG" => "debug",
-            "INFO" => "info",
-            "WARNING" | "WARN" => "warn",
-            "ERROR" | "FATAL" => "error",
-            _ => {
-                return Err(Error::Env {
-                    var: hvd_rendezvous::ENV_LOG_LEVEL,
-                    detail: format!(
-                        "'{v}' is not one of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL"
-                    ),
-                });
-            }
-        }),
+        Some(v) => Some(hvd_rendezvous::log_directive(&v).ok_or_else(|| Error::Env {
+            var: hvd_rendezvous::ENV_LOG_LEVEL,
+            detail: format!("'{v}' is not one of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL"),
+        })?),
     };
     let filter = env
         .var("RUST_LOG")
@@ -653,6 +642,27 @@ pub fn log_settings_from(env: &dyn Env, default: &str) -> Result<LogSettings> {
         filter,
         hide_time: switch(env, hvd_rendezvous::ENV_LOG_HIDE_TIME)? == Some(true),
     })
+}
+
+/// Sends hvd's log to stderr as [`log_settings_from`] the process environment says, unless
+/// the program installed a logger of its own (that one stays). For programs and frontends
+/// that have no logging setup of their own: Horovod's core logs to stderr the same way.
+///
+/// # Errors
+/// [`Error::Env`] naming a malformed `HOROVOD_LOG_LEVEL` or `HOROVOD_LOG_HIDE_TIME`.
+pub fn install_logging(default: &str) -> Result<()> {
+    let log = log_settings_from(&ProcessEnv, default)?;
+    let fmt = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&log.filter))
+        .with_target(false)
+        .with_writer(std::io::stderr);
+    // An error means a subscriber is installed already: that one stays.
+    let _ = if log.hide_time {
+        fmt.without_time().try_init()
+    } else {
+        fmt.try_init()
+    };
+    Ok(())
 }
 
 /// Hands the communicator to a background [`Engine`]: named, asynchronous collectives
