@@ -158,9 +158,9 @@ impl ApiServer {
         .await;
     }
 
-    /// Expects the driver's ServiceAccount, Role and RoleBinding and the workers' Service of job
-    /// `name` to be applied, in that order.
-    async fn expect_shared(&mut self, name: &str) {
+    /// Expects the driver's ServiceAccount, Role and RoleBinding, the workers' Service and the
+    /// driver's Service of job `name` to be applied, in that order; returns the driver's Service.
+    async fn expect_shared(&mut self, name: &str) -> Value {
         let sa = self
             .expect_apply(&format!(
                 "/api/v1/namespaces/ml/serviceaccounts/{name}-driver"
@@ -178,6 +178,27 @@ impl ApiServer {
             .expect_apply(&format!("/api/v1/namespaces/ml/services/{name}-workers"))
             .await;
         assert_eq!(svc["spec"]["clusterIP"], "None");
+        // Every job's driver Service: the metrics of its driver, for one ServiceMonitor.
+        let driver = self
+            .expect_apply(&format!("/api/v1/namespaces/ml/services/{name}-driver"))
+            .await;
+        assert_eq!(driver["metadata"]["labels"]["hvd.dev/metrics"], "driver");
+        assert_eq!(
+            driver["metadata"]["ownerReferences"][0]["kind"],
+            "ElasticJob"
+        );
+        assert_eq!(driver["spec"]["selector"]["hvd.dev/role"], "driver");
+        let ports = driver["spec"]["ports"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            ports
+                .iter()
+                .any(|p| p["name"] == "status" && p["port"] == 8080),
+            "{driver}"
+        );
+        driver
     }
 
     /// Expects a worker pod to be applied.
@@ -656,12 +677,10 @@ async fn lost_driver_of_a_job_with_a_store_is_replaced_and_its_workers_kept() {
     ];
     run_scenario(j, ctx, server, |mut s| async move {
         s.expect_pod_list("train", &pods).await;
-        s.expect_shared("train").await;
-        let svc = s
-            .expect_apply("/api/v1/namespaces/ml/services/train-driver")
-            .await;
+        let svc = s.expect_shared("train").await;
         assert_eq!(svc["spec"]["selector"]["hvd.dev/role"], "driver");
         assert_eq!(svc["spec"]["ports"][0]["port"], 7078);
+        assert_eq!(svc["spec"]["ports"][1]["port"], 8080);
         s.expect_pod_delete("train-driver").await;
         let event = s.expect_event("ReplacingDriver").await;
         assert!(
@@ -691,8 +710,6 @@ async fn replacement_driver_is_created_and_counted() {
     run_scenario(j, ctx, server, |mut s| async move {
         s.expect_pod_list("train", &pods).await;
         s.expect_shared("train").await;
-        s.expect_apply("/api/v1/namespaces/ml/services/train-driver")
-            .await;
         let seen = s
             .expect(Method::POST, "/api/v1/namespaces/ml/secrets", Clone::clone)
             .await;

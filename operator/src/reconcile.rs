@@ -149,16 +149,15 @@ fn driver_addr(job: &ElasticJob, pods: &[Pod], names: &Names, port: u16) -> Opti
 }
 
 /// Applies the objects a running job needs besides its pods: the driver's ServiceAccount, Role
-/// and RoleBinding, the workers' Service, and with a state store the driver's Service. Applied on every reconcile, so that one removed by
-/// hand or by the garbage collection of a deleted job of the same name comes back.
+/// and RoleBinding, the workers' Service, and the driver's Service (its metrics, and with a
+/// state store its rendezvous). Applied on every reconcile, so that one removed by hand or by
+/// the garbage collection of a deleted job of the same name comes back.
 async fn apply_shared(job: &ElasticJob, ctx: &Context, ns: &str) -> Result<(), Error> {
     ssa::<ServiceAccount>(ctx, ns, &resources::driver_service_account(job)?).await?;
     ssa::<Role>(ctx, ns, &resources::driver_role(job)?).await?;
     ssa::<RoleBinding>(ctx, ns, &resources::driver_role_binding(job)?).await?;
     ssa::<Service>(ctx, ns, &resources::worker_service(job)?).await?;
-    if job.spec.state_store.is_some() {
-        ssa::<Service>(ctx, ns, &resources::driver_service(job)?).await?;
-    }
+    ssa::<Service>(ctx, ns, &resources::driver_service(job)?).await?;
     Ok(())
 }
 

@@ -1,6 +1,6 @@
 //! The Kubernetes objects an `ElasticJob` owns, built as pure values: the job Secret, the
-//! workers' headless Service, the driver's ServiceAccount, Role and RoleBinding, the driver Pod
-//! and the worker Pods. The reconciler applies them with server-side apply.
+//! workers' headless Service, the driver's Service, ServiceAccount, Role and RoleBinding, the
+//! driver Pod and the worker Pods. The reconciler applies them with server-side apply.
 
 use std::collections::BTreeMap;
 
@@ -28,8 +28,16 @@ pub const ROLE_WORKER: &str = "worker";
 pub const ROLE_DRIVER: &str = "driver";
 /// Port of the `hvd-agent` in every worker pod.
 pub const AGENT_PORT: u16 = 7077;
-/// Port of the driver's status API (`GET /status`).
+/// Port of the driver's status API (`GET /status` and `GET /metrics`).
 pub const STATUS_PORT: u16 = 8080;
+/// Label on every job's driver Service, by which one ServiceMonitor selects the drivers of all
+/// jobs; its value is [`METRICS_DRIVER`].
+pub const LABEL_METRICS: &str = "hvd.dev/metrics";
+/// Value of [`LABEL_METRICS`] on the driver Services.
+pub const METRICS_DRIVER: &str = "driver";
+/// Name of the driver's status port, in its pod and in its Service (a ServiceMonitor's
+/// `endpoints[].port`).
+pub const STATUS_PORT_NAME: &str = "status";
 /// Rendezvous port of a job with a state store: fixed, because the workers of a lost driver
 /// redial the same address to reach its successor.
 pub const RENDEZVOUS_PORT: u16 = 7078;
@@ -119,8 +127,8 @@ impl Names {
     pub fn driver(&self) -> String {
         format!("{}-driver", self.job)
     }
-    /// The driver's Service (jobs with a state store): a name for the rendezvous that
-    /// survives the driver pod being replaced.
+    /// The driver's Service: its status and metrics port, and with a state store a name for
+    /// the rendezvous that survives the driver pod being replaced.
     pub fn driver_service(&self) -> String {
         self.driver()
     }
@@ -246,9 +254,11 @@ pub fn worker_service(job: &ElasticJob) -> Result<Service, Error> {
     })
 }
 
-/// The driver's Service (jobs with a state store): the rendezvous port of whichever driver
-/// pod the job has now, under [`Names::driver_dns`]. Not-ready pods count, so the workers
-/// reach a successor as soon as it listens.
+/// The driver's Service, every job's: the status port ([`STATUS_PORT_NAME`]: `GET /status` and
+/// `GET /metrics`) of whichever driver pod the job has now, labelled
+/// [`LABEL_METRICS`]`=`[`METRICS_DRIVER`] so that one ServiceMonitor scrapes the drivers of all
+/// jobs. With a state store also the rendezvous port under [`Names::driver_dns`]. Not-ready
+/// pods count, so the workers reach a successor as soon as it listens.
 ///
 /// # Errors
 /// [`Error::MissingField`] when the job lacks a name, namespace or uid.
@@ -256,17 +266,28 @@ pub fn driver_service(job: &ElasticJob) -> Result<Service, Error> {
     let names = Names::of(job)?;
     let mut selector = labels(&names, Some(ROLE_DRIVER));
     selector.remove(MANAGED_BY.0);
+    let mut metadata = meta(job, &names, names.driver_service(), None)?;
+    metadata
+        .labels
+        .get_or_insert_with(BTreeMap::new)
+        .insert(LABEL_METRICS.into(), METRICS_DRIVER.into());
+    let service_port = |name: &str, port: u16| ServicePort {
+        name: Some(name.into()),
+        port: i32::from(port),
+        target_port: Some(IntOrString::Int(i32::from(port))),
+        ..Default::default()
+    };
+    let mut ports = Vec::new();
+    if job.spec.state_store.is_some() {
+        ports.push(service_port("rendezvous", RENDEZVOUS_PORT));
+    }
+    ports.push(service_port(STATUS_PORT_NAME, STATUS_PORT));
     Ok(Service {
-        metadata: meta(job, &names, names.driver_service(), None)?,
+        metadata,
         spec: Some(ServiceSpec {
             selector: Some(selector),
             publish_not_ready_addresses: Some(true),
-            ports: Some(vec![ServicePort {
-                name: Some("rendezvous".into()),
-                port: i32::from(RENDEZVOUS_PORT),
-                target_port: Some(IntOrString::Int(i32::from(RENDEZVOUS_PORT))),
-                ..Default::default()
-            }]),
+            ports: Some(ports),
             ..Default::default()
         }),
         ..Default::default()
@@ -638,7 +659,7 @@ fn scrape_annotations() -> [(String, String); 3] {
 /// The driver's container ports: status (`/status` and `/metrics`), and the rendezvous with
 /// a state store.
 fn driver_ports(job: &ElasticJob) -> Vec<ContainerPort> {
-    let mut ports = vec![port("status", STATUS_PORT)];
+    let mut ports = vec![port(STATUS_PORT_NAME, STATUS_PORT)];
     if job.spec.state_store.is_some() {
         ports.push(port("rendezvous", RENDEZVOUS_PORT));
     }
@@ -1103,10 +1124,70 @@ mod tests {
         let sel = spec.selector.unwrap();
         assert_eq!(sel[LABEL_ROLE], ROLE_DRIVER);
         assert_eq!(sel[LABEL_JOB], "train");
-        let port = &spec.ports.unwrap()[0];
-        assert_eq!(port.port, i32::from(RENDEZVOUS_PORT));
+        let ports = spec.ports.unwrap();
+        assert_eq!(ports[0].port, i32::from(RENDEZVOUS_PORT));
+        // One Service with both ports: the rendezvous, and the status port for the metrics.
+        let named: Vec<_> = ports
+            .iter()
+            .map(|p| (p.name.as_deref().unwrap(), p.port))
+            .collect();
+        assert_eq!(named, [("rendezvous", 7078), ("status", 8080)]);
+        assert_eq!(
+            s.metadata.labels.unwrap()[LABEL_METRICS],
+            METRICS_DRIVER,
+            "the drivers of jobs with a store are scraped too"
+        );
         // The driver pod carries what the selector asks for.
         let labels = driver_pod(&j).unwrap().metadata.labels.unwrap();
         assert!(sel.iter().all(|(k, v)| labels.get(k) == Some(v)));
+    }
+
+    #[test]
+    fn every_job_has_a_driver_service_for_its_metrics() {
+        let j = job("train", 1, 1);
+        let s = driver_service(&j).unwrap();
+        assert_eq!(s.metadata.name.as_deref(), Some("train-driver"));
+        assert_eq!(s.metadata.namespace.as_deref(), Some("ml"));
+        let labels = s.metadata.labels.as_ref().unwrap();
+        assert_eq!(labels[LABEL_METRICS], "driver");
+        assert_eq!(labels[LABEL_JOB], "train");
+        assert_eq!(labels["app.kubernetes.io/managed-by"], "hvd-operator");
+        let owner = &s.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (
+                owner.kind.as_str(),
+                owner.name.as_str(),
+                owner.uid.as_str(),
+                owner.controller
+            ),
+            ("ElasticJob", "train", "uid-train", Some(true))
+        );
+        let spec = s.spec.unwrap();
+        let ports = spec.ports.unwrap();
+        assert_eq!(ports.len(), 1, "no rendezvous port without a store");
+        assert_eq!(ports[0].name.as_deref(), Some(STATUS_PORT_NAME));
+        assert_eq!(ports[0].port, 8080);
+        assert_eq!(ports[0].target_port, Some(IntOrString::Int(8080)));
+        // It reaches the driver pod's status port, where the pod's annotations point too.
+        let pod = driver_pod(&j).unwrap();
+        let pod_labels = pod.metadata.labels.as_ref().unwrap();
+        let sel = spec.selector.unwrap();
+        assert_eq!(sel[LABEL_ROLE], ROLE_DRIVER);
+        assert!(sel.iter().all(|(k, v)| pod_labels.get(k) == Some(v)));
+        let status = pod.spec.unwrap().containers[0]
+            .ports
+            .clone()
+            .unwrap()
+            .into_iter()
+            .find(|p| p.name.as_deref() == Some(STATUS_PORT_NAME))
+            .unwrap();
+        assert_eq!(status.container_port, ports[0].port);
+        assert_eq!(
+            pod.metadata.annotations.unwrap()["prometheus.io/port"],
+            ports[0].port.to_string()
+        );
+        // The driver only, never a worker.
+        let workers = worker_pod(&j, 0).unwrap().metadata.labels.unwrap();
+        assert!(!sel.iter().all(|(k, v)| workers.get(k) == Some(v)));
     }
 }
