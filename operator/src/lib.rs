@@ -3,7 +3,8 @@
 //! Layout:
 //! - [`crd`]: the `ElasticJob` types (`hvd.dev/v1alpha1`), from which `crdgen` prints the CRD.
 //! - [`resources`]: pure builders of the objects a job owns (driver and worker pods, the
-//!   headless Service, the Secret, the driver's ServiceAccount, Role and RoleBinding).
+//!   headless Service, the Secret, the driver's Service (status and metrics port, and the
+//!   rendezvous with a state store), ServiceAccount, Role and RoleBinding).
 //! - [`plan`]: the decisions, as pure functions of the observed pods and driver status;
 //!   `driver_fate` decides what becomes of the driver pod (replaced when a job with a state
 //!   store loses it).
