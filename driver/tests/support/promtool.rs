@@ -2,59 +2,18 @@
 //! first use when `promtool` is missing (with apt, as root; a lock directory makes parallel
 //! test processes install once).
 
+#[path = "../../../store/tests/support/debian.rs"]
+mod debian;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
-use std::time::Duration;
 
 /// The `promtool` binary, installed if missing.
 pub fn promtool() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let found = || {
-            ["/usr/bin/promtool", "/usr/local/bin/promtool"]
-                .iter()
-                .map(PathBuf::from)
-                .find(|p| p.exists())
-        };
-        if let Some(p) = found() {
-            return p;
-        }
-        let apt = |args: &[&str]| {
-            Command::new("apt-get")
-                .args(args)
-                .env("DEBIAN_FRONTEND", "noninteractive")
-                .stdout(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
-        };
-        let install = [
-            "install",
-            "-y",
-            "-qq",
-            "--no-install-recommends",
-            "prometheus",
-        ];
-        let lock = std::env::temp_dir().join("hvd-promtool-install.lock");
-        for _ in 0..600 {
-            if found().is_some() {
-                break;
-            }
-            if std::fs::create_dir(&lock).is_ok() {
-                if !apt(&install) {
-                    apt(&["update", "-qq"]);
-                    apt(&install);
-                }
-                let _ = std::fs::remove_dir(&lock);
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
-        found().expect(
-            "promtool is not installed and could not be (apt-get install prometheus, as root)",
-        )
-    })
+    BIN.get_or_init(|| debian::installed("promtool", "prometheus"))
 }
 
 /// Runs `promtool check metrics` on `exposition`; returns its exit success and what it said.

@@ -2,6 +2,9 @@
 //! apt, as root), each instance on free loopback ports with its data in a directory of its
 //! own, killed and removed when dropped.
 
+#[path = "debian.rs"]
+mod debian;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -11,45 +14,7 @@ use std::time::{Duration, Instant};
 /// The `etcd` binary, installed if missing.
 pub fn etcd_binary() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let found = || {
-            ["/usr/bin/etcd", "/usr/local/bin/etcd"]
-                .iter()
-                .map(PathBuf::from)
-                .find(|p| p.exists())
-        };
-        if let Some(p) = found() {
-            return p;
-        }
-        // Several test binaries may get here at once: apt takes its own lock, and a second
-        // install of an installed package is a no-op.
-        let apt = |args: &[&str]| {
-            Command::new("apt-get")
-                .args(args)
-                .env("DEBIAN_FRONTEND", "noninteractive")
-                .stdout(Stdio::null())
-                .status()
-                .map(|s| s.success())
-                .unwrap_or(false)
-        };
-        let lock = std::env::temp_dir().join("hvd-etcd-install.lock");
-        for _ in 0..600 {
-            if found().is_some() {
-                break;
-            }
-            if std::fs::create_dir(&lock).is_ok() {
-                if !apt(&["install", "-y", "-qq", "etcd-server"]) {
-                    apt(&["update", "-qq"]);
-                    apt(&["install", "-y", "-qq", "etcd-server"]);
-                }
-                let _ = std::fs::remove_dir(&lock);
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
-        found()
-            .expect("etcd is not installed and could not be (apt-get install etcd-server, as root)")
-    })
+    BIN.get_or_init(|| debian::installed("etcd", "etcd-server"))
 }
 
 fn free_port() -> u16 {
