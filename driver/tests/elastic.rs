@@ -522,11 +522,7 @@ fn the_status_endpoint_reports_rounds_workers_and_blacklisted_hosts() {
         ],
         COUNTER,
     );
-    let line = job.wait_stderr("status endpoint listening");
-    let port: u16 = line
-        .rsplit_once(':')
-        .and_then(|(_, p)| p.split_whitespace().next()?.parse().ok())
-        .expect("the port in the log line");
+    let port = job.status_port();
     job.wait_step(20, 4);
     let (code, body) = http_get(port, "GET", "/status");
     assert_eq!(code, 200, "{body}");

@@ -69,11 +69,7 @@ fn counters_move_as_the_job_rescales_and_promtool_passes_every_scrape() {
         ],
         &["--steps", "1000", "--commit-every", "5", "--step-ms", "10"],
     );
-    let line = job.wait_stderr("status endpoint listening");
-    let port: u16 = line
-        .rsplit_once(':')
-        .and_then(|(_, p)| p.split_whitespace().next()?.parse().ok())
-        .expect("the port in the log line");
+    let port = job.status_port();
     job.wait_step(20, 4);
     let before = get(port, "/metrics");
     promtool::assert_clean(&before);

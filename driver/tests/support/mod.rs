@@ -318,6 +318,14 @@ impl Job {
         }
     }
 
+    /// The port `--status-port 0` picked, from the driver's log line.
+    pub fn status_port(&self) -> u16 {
+        let line = self.wait_stderr("status endpoint listening");
+        line.rsplit_once(':')
+            .and_then(|(_, p)| p.split_whitespace().next()?.parse().ok())
+            .expect("the port in the log line")
+    }
+
     /// Waits for horovodrun to exit; returns its code, stderr and every counter line.
     pub fn finish(mut self) -> (i32, String, Vec<Line>) {
         let deadline = Instant::now() + Duration::from_secs(90);
