@@ -625,7 +625,12 @@ impl Tuner {
         self.time += time;
         self.steps += 1;
         for n in names {
-            *self.seen.entry(n.to_string()).or_insert(0) += 1;
+            match self.seen.get_mut(n) {
+                Some(k) => *k += 1,
+                None => {
+                    self.seen.insert(n.to_string(), 1);
+                }
+            }
         }
         next
     }
