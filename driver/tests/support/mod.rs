@@ -52,8 +52,10 @@ pub struct Job {
     pub parents: Vec<u32>,
 }
 
-/// A scratch directory with `hosts` (what discovery prints) and `discover.sh`.
+/// A scratch directory with `hosts` (what discovery prints) and `discover.sh`. A [`Job`]
+/// started in it removes it when the test passes; a failed test's stays, to be read.
 pub fn scratch(name: &str) -> PathBuf {
+    sweep_stale();
     let dir = std::env::temp_dir().join(format!("hvd-elastic-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("scratch dir");
@@ -70,6 +72,27 @@ pub fn scratch(name: &str) -> PathBuf {
     std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
     std::fs::set_permissions(&script, perm).expect("chmod");
     dir
+}
+
+/// Removes, once per test binary, the scratch directories of test runs whose process is gone
+/// (failed tests', or a run that was killed), so that they do not pile up in `/tmp`.
+fn sweep_stale() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("hvd-elastic-")) else {
+                continue;
+            };
+            let pid = rest.split('-').next().and_then(|p| p.parse::<i32>().ok());
+            if pid.is_some_and(|p| p != std::process::id() as i32 && !alive(p)) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    });
 }
 
 impl Job {
@@ -364,6 +387,9 @@ impl Drop for Job {
         // A failed test must not leave a job running; its workers follow their driver.
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if !thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
