@@ -511,9 +511,14 @@ async fn the_client_keeps_a_message_cut_across_reads_when_its_read_is_cancelled(
     );
 }
 
+/// Where [`term_ignoring_child`] passes the child's pid to its leader.
+fn pid_file(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("hvd-agent-test-{}-{tag}", std::process::id()))
+}
+
 /// Shell commands that start a child ignoring SIGTERM and print its pid once it does.
 fn term_ignoring_child(tag: &str) -> String {
-    let f = format!("hvd-agent-test-{}-{tag}", std::process::id());
+    let f = pid_file(tag).display().to_string();
     format!(
         "rm -f {f}; sh -c 'trap \"\" TERM; echo $$ > {f}.tmp; mv {f}.tmp {f}; exec sleep 30' & \
          while [ ! -s {f} ]; do sleep 0.01; done; cat {f}; rm -f {f};"
@@ -548,6 +553,8 @@ async fn stop_kills_a_term_ignoring_child_once_its_leader_exited() {
         gone_within(child, Duration::from_secs(3)).await,
         "the child that ignored SIGTERM outlived its stopped leader"
     );
+    // The leader may have died before it removed the file.
+    let _ = std::fs::remove_file(pid_file("stop"));
 }
 
 #[tokio::test]

@@ -198,10 +198,20 @@ fn expected_env(argv: &[String]) -> BTreeMap<&'static str, String> {
     want
 }
 
-/// Runs one documented command line; `Err` says what went wrong.
+/// Runs one documented command line; `Err` says what went wrong. Its directory is removed
+/// when it passed and kept, to be read, when it failed.
 fn run_seed(n: usize, line: &str) -> Result<(), String> {
     let dir = stage(&format!("seed{n}"));
-    let argv = probe_argv(line, &dir);
+    let result = check_seed(line, &dir);
+    if result.is_ok() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    result
+}
+
+/// Runs `line` in `dir` (made by [`stage`]) and checks what it did.
+fn check_seed(line: &str, dir: &Path) -> Result<(), String> {
+    let argv = probe_argv(line, dir);
     let path = format!(
         "{}:{}",
         dir.join("bin").display(),
@@ -209,7 +219,7 @@ fn run_seed(n: usize, line: &str) -> Result<(), String> {
     );
     let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
         .args(&argv)
-        .current_dir(&dir)
+        .current_dir(dir)
         .env("PATH", path)
         .env("HVD_TEST_HOST_MAP", dir.join("hosts.map"))
         .env_remove("RUST_LOG")
@@ -283,7 +293,6 @@ fn run_seed(n: usize, line: &str) -> Result<(), String> {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 
