@@ -1,6 +1,8 @@
 //! A real etcd for tests: Debian's `etcd-server`, installed on first use when missing (with
 //! apt, as root), each instance on free loopback ports with its data in a directory of its
-//! own, killed and removed when dropped.
+//! own, killed and removed when dropped. The data lives in memory (`/dev/shm`) where that
+//! has room: etcd preallocates 64 MiB write-ahead log files and syncs them on every write,
+//! which on a shared, busy disk costs space and makes its leader miss heartbeats.
 
 #[path = "debian.rs"]
 mod debian;
@@ -32,11 +34,36 @@ pub struct Etcd {
     peer_port: u16,
 }
 
+/// Where etcd's data directories go: `/dev/shm` when it is a tmpfs with 1 GiB free, else the
+/// temporary directory.
+fn data_root() -> &'static Path {
+    static ROOT: OnceLock<PathBuf> = OnceLock::new();
+    ROOT.get_or_init(|| {
+        let shm = Path::new("/dev/shm");
+        let free_kib = Command::new("df")
+            .args(["-k", "--output=fstype,avail"])
+            .arg(shm)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .and_then(|o| {
+                let text = String::from_utf8_lossy(&o.stdout).into_owned();
+                let mut row = text.lines().nth(1)?.split_whitespace();
+                (row.next()? == "tmpfs").then_some(())?;
+                row.next()?.parse::<u64>().ok()
+            });
+        if free_kib.is_some_and(|k| k >= 1 << 20) {
+            shm.to_path_buf()
+        } else {
+            std::env::temp_dir()
+        }
+    })
+}
+
 impl Etcd {
     /// Starts one and waits until it serves.
     pub fn start() -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("hvd-etcd-{}-{}", std::process::id(), free_port()));
+        let dir = data_root().join(format!("hvd-etcd-{}-{}", std::process::id(), free_port()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("etcd's data directory");
         let mut e = Self {
