@@ -87,6 +87,20 @@ impl Setting {
     }
 }
 
+/// What autotune settled on for one shape of the world. A process keeps it across elastic
+/// rounds ([`AutotuneConfig::resume`]): a round of a shape tuned before starts on its setting
+/// with no tuning, and a round of a new shape tunes starting from the setting tuned last
+/// rather than from the configured knobs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tuned {
+    /// Ranks in the world it was tuned on.
+    pub size: usize,
+    /// Hosts of that world where it could run hierarchically; `None` where it could not.
+    pub hosts: Option<usize>,
+    /// The setting autotune settled on.
+    pub setting: Setting,
+}
+
 /// Which knobs are held where they were set (their variable was set explicitly).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Held {
@@ -119,6 +133,9 @@ pub struct AutotuneConfig {
     pub held: Held,
     /// Seed of the optimiser's random candidates, so a run replays.
     pub seed: u64,
+    /// What earlier engines of this process tuned, one per shape, most recent last (see
+    /// [`Tuned`]).
+    pub resume: Vec<Tuned>,
 }
 
 impl Default for AutotuneConfig {
@@ -131,6 +148,7 @@ impl Default for AutotuneConfig {
             log: None,
             held: Held::default(),
             seed: 0x5eed,
+            resume: Vec::new(),
         }
     }
 }

@@ -497,6 +497,12 @@ impl Communicator {
         self.hier.is_some()
     }
 
+    /// Number of hosts where the hierarchical paths can run ([`Self::can_run_hierarchically`]);
+    /// `None` where they cannot.
+    pub fn hierarchical_hosts(&self) -> Option<usize> {
+        self.hier.as_ref().map(|h| h.groups.len())
+    }
+
     /// Switches hierarchical allreduce and allgather on or off where the hosts allow them
     /// (a no-op where they do not). Every rank must switch at the same point of its sequence
     /// of collectives, as the engine's autotune does.

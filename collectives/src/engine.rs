@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::autotune::{AutotuneConfig, Setting, Tuner};
+use crate::autotune::{AutotuneConfig, Setting, Tuned, Tuner};
 use crate::buffer::HugeBuffer;
 use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
@@ -440,6 +440,9 @@ pub struct EngineStatus {
     pub autotuning: bool,
     /// Stall warnings so far: one per stalled op each warning period.
     pub stall_warnings: u64,
+    /// What autotune settled on, once it has (on every rank): kept by the process for the
+    /// engines of later rounds ([`crate::AutotuneConfig::resume`]).
+    pub tuned: Option<Tuned>,
 }
 
 /// Pins the calling thread to `core`.
@@ -842,21 +845,24 @@ impl Worker {
             hierarchical_allgather: comm.is_hierarchical_allgather(),
         };
         // Rank 0 tunes; the others follow its announcements. An engine built for a new
-        // membership starts tuning afresh.
-        let tuner = cfg
-            .autotune
-            .clone()
-            .filter(|_| comm.rank() == 0 && comm.size() > 1)
-            .map(|a| Tuner::new(a, setting, comm.can_run_hierarchically()));
+        // membership keeps what this process tuned before on a world of the same shape, and
+        // tunes from it on another shape.
+        let (tuner, proposed) = match cfg.autotune.clone() {
+            Some(a) if comm.rank() == 0 && comm.size() > 1 => {
+                Self::resume(a, setting, comm.size(), comm.hierarchical_hosts())
+            }
+            _ => (None, None),
+        };
         let status = EngineStatus {
             setting,
             autotuning: cfg.autotune.is_some() && comm.size() > 1,
             stall_warnings: 0,
+            tuned: None,
         };
         Self {
             warned: HashMap::new(),
             tuner,
-            proposed: None,
+            proposed,
             last_step: Instant::now(),
             cache_on: if cfg.cache_capacity > 0 {
                 cfg.cache_capacity
@@ -1145,6 +1151,68 @@ impl Worker {
         Ok(true)
     }
 
+    /// Rank 0's tuner for a world of `size` ranks (`hosts`: see [`Tuned::hosts`]) configured
+    /// at `configured`, and the setting to announce at the first cycle: none where nothing was
+    /// tuned before; the setting tuned for this shape, with no tuner, where there is one; else
+    /// a tuner starting from the setting tuned last.
+    fn resume(
+        a: AutotuneConfig,
+        configured: Setting,
+        size: usize,
+        hosts: Option<usize>,
+    ) -> (Option<Tuner>, Option<(Setting, bool)>) {
+        let hierarchy = hosts.is_some();
+        let shape = (size, hosts);
+        let before = (a.resume.iter().rev())
+            .find(|t| (t.size, t.hosts) == shape)
+            .or(a.resume.last())
+            .copied();
+        let Some(before) = before else {
+            return (Some(Tuner::new(a, configured, hierarchy)), None);
+        };
+        // Held knobs stay where they were set, whatever was tuned before.
+        let held = a.held;
+        fn pick<T>(held: bool, configured: T, tuned: T) -> T {
+            if held { configured } else { tuned }
+        }
+        let (c, t) = (configured, before.setting);
+        let mut start = Setting {
+            fusion_bytes: pick(held.fusion, c.fusion_bytes, t.fusion_bytes),
+            cycle: pick(held.cycle, c.cycle, t.cycle),
+            cache: pick(held.cache, c.cache, t.cache),
+            hierarchical_allreduce: pick(
+                held.hierarchical_allreduce,
+                c.hierarchical_allreduce,
+                t.hierarchical_allreduce,
+            ),
+            hierarchical_allgather: pick(
+                held.hierarchical_allgather,
+                c.hierarchical_allgather,
+                t.hierarchical_allgather,
+            ),
+        };
+        if !hierarchy {
+            start.hierarchical_allreduce = false;
+            start.hierarchical_allgather = false;
+        }
+        if (before.size, before.hosts) == shape {
+            tracing::info!(
+                size,
+                ?start,
+                "autotune: keeping the setting tuned on an earlier round of this shape"
+            );
+            (None, Some((start, false)))
+        } else {
+            tracing::info!(
+                size,
+                tuned_size = before.size,
+                ?start,
+                "autotune: tuning this round's shape, starting from the setting tuned before"
+            );
+            (Some(Tuner::new(a, start, hierarchy)), Some((start, true)))
+        }
+    }
+
     /// Applies the knobs of `setting`; `tuning`: whether autotune goes on after it. Every rank
     /// calls it at the same cycle, so the response caches are emptied alike.
     fn apply(&mut self, setting: Setting, tuning: bool) {
@@ -1170,6 +1238,13 @@ impl Worker {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         st.setting = setting;
         st.autotuning = tuning;
+        if !tuning && self.cfg.autotune.is_some() {
+            st.tuned = Some(Tuned {
+                size: self.comm.size(),
+                hosts: self.comm.hierarchical_hosts(),
+                setting,
+            });
+        }
     }
 
     /// The stall check: warns of ops pending on some needed ranks but not all for longer

@@ -48,7 +48,7 @@ mod pipeline;
 mod timeline;
 mod wire;
 
-pub use autotune::{AutotuneConfig, Held, Setting};
+pub use autotune::{AutotuneConfig, Held, Setting, Tuned};
 pub use buffer::HugeBuffer;
 pub use comm::Communicator;
 pub use config::{CommConfig, MAX_STREAMS};

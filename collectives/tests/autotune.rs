@@ -1,5 +1,6 @@
 //! Autotune on a running engine: every rank switches to rank 0's settings at the same cycle,
-//! results stay right across the switches, and rank 0 logs every sample as Horovod does.
+//! results stay right across the switches, and rank 0 logs every sample as Horovod does; a
+//! later engine of the process keeps what was tuned, or tunes from it on another shape.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
@@ -8,7 +9,7 @@ mod support;
 use std::time::Duration;
 
 use hvd_collectives::autotune::LOG_HEADER;
-use hvd_collectives::{AutotuneConfig, Engine, EngineConfig, ReduceOp};
+use hvd_collectives::{AutotuneConfig, Engine, EngineConfig, ReduceOp, Setting, Tuned};
 use support::world_on;
 
 #[test]
@@ -38,50 +39,7 @@ fn every_rank_ends_on_rank_0_s_best_setting_with_every_sum_right() {
                 ..EngineConfig::default()
             };
             let e = Engine::start(comm, cfg).unwrap();
-            let mut bursts = 0;
-            let mut settings = Vec::new();
-            loop {
-                bursts += 1;
-                assert!(bursts < 2000, "autotune never finished");
-                // Small and large tensors (the large ones take the ring or hierarchical path),
-                // and an allgather.
-                let handles: Vec<_> = [10usize, 3000, 70_000, 250_000]
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &n)| {
-                        let v: Vec<f64> = (0..n).map(|i| (i % 7 + r) as f64).collect();
-                        e.allreduce_async(&format!("g{k}"), v, ReduceOp::Sum)
-                    })
-                    .collect();
-                let rows = e.allgather_async("rows", vec![r as i32; 2 * (r + 1)], 2);
-                for (k, h) in handles.into_iter().enumerate() {
-                    let got = h.wait().unwrap();
-                    for (i, x) in got.iter().enumerate() {
-                        let want = (4 * (i % 7) + 6) as f64;
-                        assert_eq!(*x, want, "burst {bursts}, tensor {k}, element {i}");
-                    }
-                }
-                let want: Vec<i32> = (0..4i32)
-                    .flat_map(|q| vec![q; 2 * (q as usize + 1)])
-                    .collect();
-                assert_eq!(rows.wait().unwrap(), want, "burst {bursts}");
-                let status = e.status();
-                if settings.last() != Some(&status.setting) {
-                    settings.push(status.setting);
-                }
-                // Stop together: once every rank has seen tuning end.
-                let done = e
-                    .allreduce_async(
-                        &format!("done{bursts}"),
-                        vec![u8::from(!status.autotuning)],
-                        ReduceOp::Min,
-                    )
-                    .wait()
-                    .unwrap();
-                if done[0] == 1 {
-                    break;
-                }
-            }
+            let (_, settings) = until_settled(&e, r);
             (e.status(), settings, hierarchy)
         },
     );
@@ -120,5 +78,170 @@ fn every_rank_ends_on_rank_0_s_best_setting_with_every_sum_right() {
         .collect();
     let top = scores.iter().copied().fold(f64::MIN, f64::max);
     assert_eq!(best[6].parse::<f64>().unwrap(), top, "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Runs bursts of allreduces and an allgather on `e` (this is rank `r` of 4), checking every
+/// result, until every rank has seen autotune settle. Returns the bursts run and the settings
+/// this rank saw, in order.
+fn until_settled(e: &Engine, r: usize) -> (usize, Vec<Setting>) {
+    let mut bursts = 0;
+    let mut settings = Vec::new();
+    loop {
+        bursts += 1;
+        assert!(bursts < 2000, "autotune never finished");
+        // Small and large tensors (the large ones take the ring or hierarchical path), and an
+        // allgather.
+        let handles: Vec<_> = [10usize, 3000, 70_000, 250_000]
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                let v: Vec<f64> = (0..n).map(|i| (i % 7 + r) as f64).collect();
+                e.allreduce_async(&format!("g{k}"), v, ReduceOp::Sum)
+            })
+            .collect();
+        let rows = e.allgather_async("rows", vec![r as i32; 2 * (r + 1)], 2);
+        for (k, h) in handles.into_iter().enumerate() {
+            let got = h.wait().unwrap();
+            for (i, x) in got.iter().enumerate() {
+                let want = (4 * (i % 7) + 6) as f64;
+                assert_eq!(*x, want, "burst {bursts}, tensor {k}, element {i}");
+            }
+        }
+        let want: Vec<i32> = (0..4i32)
+            .flat_map(|q| vec![q; 2 * (q as usize + 1)])
+            .collect();
+        assert_eq!(rows.wait().unwrap(), want, "burst {bursts}");
+        let status = e.status();
+        if settings.last() != Some(&status.setting) {
+            settings.push(status.setting);
+        }
+        // Stop together: once every rank has seen tuning end.
+        let done = e
+            .allreduce_async(
+                &format!("done{bursts}"),
+                vec![u8::from(!status.autotuning)],
+                ReduceOp::Min,
+            )
+            .wait()
+            .unwrap();
+        if done[0] == 1 {
+            return (bursts, settings);
+        }
+    }
+}
+
+/// The engine of an elastic round after the first: on a world of the shape tuned before it
+/// starts on the tuned setting without tuning again (nothing logged); on another shape it
+/// tunes again, starting from that setting rather than from the configured knobs.
+#[test]
+fn a_later_engine_keeps_what_was_tuned_or_tunes_from_it_on_another_shape() {
+    let dir = std::env::temp_dir().join(format!("hvd-autotune-resume-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("autotune.csv");
+    let rows = || std::fs::read_to_string(&log).unwrap().lines().count();
+    let ips = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
+    let cfg = |resume: Vec<Tuned>| EngineConfig {
+        fusion_bytes: 0,
+        cycle: Duration::from_millis(20),
+        autotune: Some(AutotuneConfig {
+            warmup_samples: 1,
+            steps_per_sample: 1,
+            max_samples: 3,
+            log: Some(log.clone()),
+            resume,
+            ..AutotuneConfig::default()
+        }),
+        ..EngineConfig::default()
+    };
+    let out = world_on(
+        &ips,
+        |_| {},
+        |comm| {
+            let r = comm.rank();
+            let comm = std::mem::replace(comm, hvd_collectives::Communicator::single());
+            let first = Engine::start(comm, cfg(Vec::new())).unwrap();
+            until_settled(&first, r);
+            let tuned = first
+                .status()
+                .tuned
+                .expect("the tuned setting, once settled");
+            let comm = first.stop().unwrap();
+            // Every rank has seen the end of tuning: rank 0 has logged all of it.
+            let logged = rows();
+
+            // The setting of this shape wins over one tuned later for another.
+            let decoy = Tuned {
+                size: 8,
+                setting: Setting {
+                    cycle: Duration::from_millis(7),
+                    ..tuned.setting
+                },
+                ..tuned
+            };
+            let same = Engine::start(comm, cfg(vec![tuned, decoy])).unwrap();
+            let (same_bursts, _) = until_settled(&same, r);
+            let same_status = same.status();
+            let comm = same.stop().unwrap();
+            let logged_same = rows();
+
+            let other = Tuned { size: 8, ..tuned };
+            let again = Engine::start(comm, cfg(vec![other])).unwrap();
+            let (again_bursts, again_settings) = until_settled(&again, r);
+            drop(again);
+            (
+                tuned,
+                logged,
+                same_bursts,
+                same_status,
+                logged_same,
+                again_bursts,
+                again_settings,
+            )
+        },
+    );
+    let tuned = out[0].0;
+    assert_eq!((tuned.size, tuned.hosts), (4, Some(2)));
+    for (r, (t, logged, same_bursts, same, logged_same, again_bursts, again)) in
+        out.iter().enumerate()
+    {
+        assert_eq!(*t, tuned, "rank {r} kept another setting");
+        assert_eq!(same.setting, tuned.setting, "rank {r}");
+        assert_eq!(same.tuned, Some(tuned), "rank {r}");
+        assert!(!same.autotuning, "rank {r}");
+        assert!(
+            *same_bursts <= 2,
+            "rank {r}: the same shape took {same_bursts} bursts to settle"
+        );
+        assert_eq!(
+            logged_same, logged,
+            "rank {r}: the same shape logged samples"
+        );
+        assert_eq!(
+            again.first(),
+            Some(&tuned.setting),
+            "rank {r}: another shape did not start from the tuned setting: {again:?}"
+        );
+        assert!(
+            *again_bursts > 10,
+            "rank {r}: another shape settled after {again_bursts} bursts, without tuning"
+        );
+    }
+    // The first scored sample of the new shape is the tuned setting: its cycle time and
+    // fusion threshold are in the first row logged after the second engine's.
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let first_again: Vec<&str> = lines[out[0].4].split(',').collect();
+    assert_eq!(
+        first_again[4].parse::<f64>().unwrap(),
+        tuned.setting.cycle.as_secs_f64() * 1e3,
+        "{text}"
+    );
+    assert_eq!(
+        first_again[5].parse::<f64>().unwrap(),
+        tuned.setting.fusion_bytes as f64 / f64::from(1u32 << 20),
+        "{text}"
+    );
+    assert!(lines.len() > out[0].4 + 3, "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

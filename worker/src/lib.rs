@@ -109,6 +109,11 @@ struct Context {
 
 static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
 
+/// What autotune settled on in this process, one per shape of the world, most recent last:
+/// kept across elastic rounds and re-initialisations so that the next engine starts from it
+/// (see [`hvd_collectives::Tuned`]).
+static TUNED: Mutex<Vec<hvd_collectives::Tuned>> = Mutex::new(Vec::new());
+
 fn context() -> MutexGuard<'static, Option<Context>> {
     // A panic while a collective held the lock leaves the communicator as it was; it reports
     // its own state on the next call.
@@ -683,6 +688,9 @@ pub fn start_engine(cfg: EngineConfig) -> Result<Engine> {
     let comm = c.comm.take().ok_or(Error::MembershipChanging)?;
     c.engine_active = true;
     let mut cfg = cfg;
+    if let Some(a) = cfg.autotune.as_mut().filter(|a| a.resume.is_empty()) {
+        a.resume = TUNED.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    }
     if cfg.timeline.is_none() {
         cfg.timeline = Some(c.timeline.clone());
     }
@@ -698,6 +706,11 @@ pub fn start_engine(cfg: EngineConfig) -> Result<Engine> {
 /// # Errors
 /// [`Error::NotInitialized`].
 pub fn stop_engine(engine: Engine) -> Result<()> {
+    if let Some(t) = engine.status().tuned {
+        let mut tuned = TUNED.lock().unwrap_or_else(PoisonError::into_inner);
+        tuned.retain(|k| (k.size, k.hosts) != (t.size, t.hosts));
+        tuned.push(t);
+    }
     let comm = engine.stop();
     let mut ctx = context();
     let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
