@@ -12,6 +12,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use support::{Job, check_counter, scratch, signal, steps_rerun};
@@ -251,6 +252,85 @@ fn an_elastic_torch_job_grows_when_a_host_is_added() {
         assert_eq!(d.v["weight"], -150.0, "{}", d.v);
     }
     assert_eq!(steps_rerun(&lines), 0, "a host change rolls nothing back");
+}
+
+/// Waits up to a minute until `what` occurs `n` times in the job's stderr.
+fn wait_stderr_count(job: &Job, what: &str, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while job.stderr_count(what) < n {
+        assert!(
+            Instant::now() < deadline,
+            "{what:?} logged {} times, not {n}:\n{}",
+            job.stderr_count(what),
+            job.err_tail()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Autotune through elastic rounds: the first round (4 ranks on 2 hosts) tunes to the end; a
+/// host added makes a new shape (6 on 3), tuned again starting from the first round's
+/// setting; the host removed brings back the first shape, whose setting rank 0 keeps without
+/// tuning again. Every committed step is applied once throughout.
+#[test]
+fn autotune_keeps_what_it_tuned_across_elastic_rounds() {
+    let log = std::env::temp_dir().join(format!("hvd-autotune-py-{}.csv", std::process::id()));
+    let log_arg = log.display().to_string();
+    let flags = [
+        "-np",
+        "4",
+        "--min-np",
+        "2",
+        "--max-np",
+        "6",
+        "--autotune",
+        "--autotune-log-file",
+        &log_arg,
+        "--autotune-warmup-samples",
+        "1",
+        "--autotune-steps-per-sample",
+        "1",
+        "--autotune-bayes-opt-max-samples",
+        "3",
+        "--log-level",
+        "INFO",
+    ];
+    let two = ["127.0.0.2:2", "127.0.0.3:2"];
+    let steps = ["--steps", "1500", "--commit-every", "5", "--step-ms", "5"];
+    let script = "python/tests/elastic_train.py";
+    let mut job = elastic_script("py-autotune", &two, &flags, script, &steps);
+    const BEST: &str = "autotune: best params";
+    wait_stderr_count(&job, BEST, 1);
+    job.set_hosts(&["127.0.0.2:2", "127.0.0.3:2", "127.0.0.4:2"]);
+    wait_stderr_count(&job, "starting from the setting tuned before", 1);
+    wait_stderr_count(&job, BEST, 2);
+    job.set_hosts(&two);
+    wait_stderr_count(
+        &job,
+        "keeping the setting tuned on an earlier round of this shape",
+        1,
+    );
+    let back = job.wait_step(0, 4).v["step"].as_u64().unwrap_or(0);
+    job.wait_step(back + 20, 4);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 1500), 4);
+    for d in lines.iter().filter(|l| l.v["event"] == "done") {
+        assert_eq!(d.v["weight"], -1500.0, "{}", d.v);
+    }
+    // Two rounds tuned (their samples and best rows are in the log); the third did not.
+    assert_eq!(err.matches("autotune: tunable params").count(), 2, "{err}");
+    assert_eq!(err.matches(BEST).count(), 2, "{err}");
+    let text = std::fs::read_to_string(&log).expect("the autotune log");
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("hierarchical"))
+            .count(),
+        1,
+        "{text}"
+    );
+    assert!(text.lines().count() > 2 * 5, "{text}");
+    let _ = std::fs::remove_file(&log);
 }
 
 /// Runs `cmd` (a benchmark example) to success and returns its JSON summary line, the one
