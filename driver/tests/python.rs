@@ -321,6 +321,11 @@ fn autotune_keeps_what_it_tuned_across_elastic_rounds() {
     // Two rounds tuned (their samples and best rows are in the log); the third did not.
     assert_eq!(err.matches("autotune: tunable params").count(), 2, "{err}");
     assert_eq!(err.matches(BEST).count(), 2, "{err}");
+    // The workers' log lines reach horovodrun through pipes: no colour codes in them.
+    assert!(
+        !err.contains('\u{1b}'),
+        "colour codes in the workers' log lines"
+    );
     let text = std::fs::read_to_string(&log).expect("the autotune log");
     assert_eq!(
         text.lines()

@@ -103,6 +103,8 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
+        // A pod's log is no terminal: colours only when run by hand on one.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

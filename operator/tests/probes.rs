@@ -215,6 +215,10 @@ fn ready_once_the_api_answers_then_stops_on_sigterm() {
     }
     assert!(status.success(), "exit {status}: {log}");
     assert!(log.contains("Kubernetes API reached"), "{log}");
+    assert!(
+        !log.contains('\u{1b}'),
+        "colour codes in a log that is no terminal: {log:?}"
+    );
 }
 
 #[test]

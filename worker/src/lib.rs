@@ -660,6 +660,9 @@ pub fn install_logging(default: &str) -> Result<()> {
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&log.filter))
         .with_target(false)
+        // Colours only on a terminal: a launcher's pipe carries the lines into its own output
+        // and log files, where escape codes would be noise.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     // An error means a subscriber is installed already: that one stays.
     let _ = if log.hide_time {
