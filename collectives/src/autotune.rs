@@ -546,7 +546,7 @@ impl Tuner {
             bounds.push((cycle_axis(CYCLE_MS.0), cycle_axis(CYCLE_MS.1)));
         }
         let log = cfg.log.as_ref().and_then(|path| {
-            // Appended to, so that the rounds of an elastic job (each tunes afresh) all stay in
+            // Appended to, so that the rounds of an elastic job that tune all stay in
             // it; horovodrun empties the file when the job starts, and the header is written once.
             let opened = std::fs::OpenOptions::new()
                 .create(true)
