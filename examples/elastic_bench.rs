@@ -597,7 +597,8 @@ fn main() -> anyhow::Result<()> {
         );
     }
     if want(Figure::Failover) || want(Figure::Store) {
-        let e = etcd::Etcd::start();
+        // On disk, as a deployment's etcd keeps its data.
+        let e = etcd::Etcd::start_in(&std::env::temp_dir());
         if want(Figure::Failover) {
             failovers(&args, &e)?;
         }

@@ -95,10 +95,20 @@ impl Setting {
 pub struct Tuned {
     /// Ranks in the world it was tuned on.
     pub size: usize,
-    /// Hosts of that world where it could run hierarchically; `None` where it could not.
-    pub hosts: Option<usize>,
+    /// Hosts that world spanned.
+    pub hosts: usize,
+    /// Whether that world could run its collectives hierarchically (else the hierarchical
+    /// knobs of `setting` were not tuned).
+    pub hierarchical: bool,
     /// The setting autotune settled on.
     pub setting: Setting,
+}
+
+impl Tuned {
+    /// The shape of the world it was tuned on: ranks, hosts, whether it ran hierarchically.
+    pub fn shape(&self) -> (usize, usize, bool) {
+        (self.size, self.hosts, self.hierarchical)
+    }
 }
 
 /// Which knobs are held where they were set (their variable was set explicitly).

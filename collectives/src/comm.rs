@@ -46,6 +46,8 @@ pub struct Communicator {
     posted: Option<u64>,
     /// Ranks of the world running on this machine (they share its cores).
     machine_ranks: usize,
+    /// Hosts the world spans (by address).
+    hosts: usize,
     /// The cores this machine's ranks share, agreed by all of them (so that every rank plans
     /// the same crowded-host layout).
     cores: usize,
@@ -222,6 +224,7 @@ impl Communicator {
         comm.cma = agreed.world.then(|| agreed.pids.clone());
         comm.mailbox = mailbox;
         comm.machine_ranks = agreed.machine_ranks;
+        comm.hosts = host_of.iter().max().map_or(1, |&h| h + 1);
         comm.cores = agreed.cores;
         if agreed.world {
             let limit = agreed
@@ -461,6 +464,7 @@ impl Communicator {
             mail: None,
             posted: None,
             machine_ranks: 1,
+            hosts: 1,
             cores: cores(),
             background: false,
             extra: (0..n).map(|_| Vec::new()).collect(),
@@ -497,10 +501,9 @@ impl Communicator {
         self.hier.is_some()
     }
 
-    /// Number of hosts where the hierarchical paths can run ([`Self::can_run_hierarchically`]);
-    /// `None` where they cannot.
-    pub fn hierarchical_hosts(&self) -> Option<usize> {
-        self.hier.as_ref().map(|h| h.groups.len())
+    /// Number of hosts (distinct addresses) the world spans.
+    pub fn hosts(&self) -> usize {
+        self.hosts
     }
 
     /// Switches hierarchical allreduce and allgather on or off where the hosts allow them

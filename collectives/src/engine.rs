@@ -567,9 +567,16 @@ impl Submitter {
 
 impl Engine {
     /// Stops the engine once every rank stops (pending ops fail) and returns the communicator.
-    pub fn stop(mut self) -> Option<Communicator> {
+    pub fn stop(self) -> Option<Communicator> {
+        self.stop_with_status().0
+    }
+
+    /// [`Engine::stop`], also returning the engine's last status (read once its thread has
+    /// ended, so that a setting autotune applied in its last cycles is in it).
+    pub fn stop_with_status(mut self) -> (Option<Communicator>, EngineStatus) {
         let _ = self.submitter.tx.send(Command::Stop);
-        self.thread.take().and_then(|t| t.join().ok())
+        let comm = self.thread.take().and_then(|t| t.join().ok());
+        (comm, self.status())
     }
 }
 
@@ -849,7 +856,8 @@ impl Worker {
         // tunes from it on another shape.
         let (tuner, proposed) = match cfg.autotune.clone() {
             Some(a) if comm.rank() == 0 && comm.size() > 1 => {
-                Self::resume(a, setting, comm.size(), comm.hierarchical_hosts())
+                let shape = (comm.size(), comm.hosts(), comm.can_run_hierarchically());
+                Self::resume(a, setting, shape)
             }
             _ => (None, None),
         };
@@ -963,6 +971,16 @@ impl Worker {
             }));
         }
         self.fail_join("the engine stopped");
+        // Rank 0's tuner may have finished in the last cycles, its best setting announced but
+        // never applied: what it found is kept all the same.
+        if let Some(t) = self.tuner.as_ref().filter(|t| t.is_done()) {
+            let tuned = self.tuned(t.setting());
+            let mut st = self
+                .status
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            st.tuned.get_or_insert(tuned);
+        }
         self.comm.set_background(false);
         self.comm
     }
@@ -1151,27 +1169,31 @@ impl Worker {
         Ok(true)
     }
 
-    /// Rank 0's tuner for a world of `size` ranks (`hosts`: see [`Tuned::hosts`]) configured
-    /// at `configured`, and the setting to announce at the first cycle: none where nothing was
+    /// Rank 0's tuner for a world of `shape` (see [`Tuned::shape`]) configured at
+    /// `configured`, and the setting to announce at the first cycle: none where nothing was
     /// tuned before; the setting tuned for this shape, with no tuner, where there is one; else
     /// a tuner starting from the setting tuned last.
     fn resume(
         a: AutotuneConfig,
         configured: Setting,
-        size: usize,
-        hosts: Option<usize>,
+        shape: (usize, usize, bool),
     ) -> (Option<Tuner>, Option<(Setting, bool)>) {
-        let hierarchy = hosts.is_some();
-        let shape = (size, hosts);
+        let (size, _, hierarchy) = shape;
         let before = (a.resume.iter().rev())
-            .find(|t| (t.size, t.hosts) == shape)
+            .find(|t| t.shape() == shape)
             .or(a.resume.last())
             .copied();
         let Some(before) = before else {
             return (Some(Tuner::new(a, configured, hierarchy)), None);
         };
         // Held knobs stay where they were set, whatever was tuned before.
-        let held = a.held;
+        let mut held = a.held;
+        // A world that could not run hierarchically tuned nothing there: the configured
+        // hierarchical knobs apply.
+        if !before.hierarchical {
+            held.hierarchical_allreduce = true;
+            held.hierarchical_allgather = true;
+        }
         fn pick<T>(held: bool, configured: T, tuned: T) -> T {
             if held { configured } else { tuned }
         }
@@ -1195,7 +1217,7 @@ impl Worker {
             start.hierarchical_allreduce = false;
             start.hierarchical_allgather = false;
         }
-        if (before.size, before.hosts) == shape {
+        if before.shape() == shape {
             tracing::info!(
                 size,
                 ?start,
@@ -1239,11 +1261,17 @@ impl Worker {
         st.setting = setting;
         st.autotuning = tuning;
         if !tuning && self.cfg.autotune.is_some() {
-            st.tuned = Some(Tuned {
-                size: self.comm.size(),
-                hosts: self.comm.hierarchical_hosts(),
-                setting,
-            });
+            st.tuned = Some(self.tuned(setting));
+        }
+    }
+
+    /// `setting`, as tuned on this engine's world.
+    fn tuned(&self, setting: Setting) -> Tuned {
+        Tuned {
+            size: self.comm.size(),
+            hosts: self.comm.hosts(),
+            hierarchical: self.comm.can_run_hierarchically(),
+            setting,
         }
     }
 
@@ -1650,5 +1678,97 @@ mod tests {
         let h = e.allreduce_async("x", vec![1.0f32, 2.0], ReduceOp::Sum);
         assert_eq!(h.wait().unwrap(), vec![1.0, 2.0]);
         assert!(e.stop().is_some());
+    }
+
+    fn knobs(fusion_mb: usize, cycle_ms: u64, cache: bool, hier: bool) -> Setting {
+        Setting {
+            fusion_bytes: fusion_mb << 20,
+            cycle: Duration::from_millis(cycle_ms),
+            cache,
+            hierarchical_allreduce: hier,
+            hierarchical_allgather: hier,
+        }
+    }
+
+    fn tuned(size: usize, hosts: usize, hierarchical: bool, setting: Setting) -> Tuned {
+        Tuned {
+            size,
+            hosts,
+            hierarchical,
+            setting,
+        }
+    }
+
+    fn resuming(resume: Vec<Tuned>, held: crate::Held) -> AutotuneConfig {
+        AutotuneConfig {
+            resume,
+            held,
+            ..AutotuneConfig::default()
+        }
+    }
+
+    #[test]
+    fn nothing_tuned_before_tunes_from_the_configured_knobs() {
+        let configured = knobs(64, 5, true, false);
+        let (tuner, first) = Worker::resume(
+            resuming(vec![], crate::Held::default()),
+            configured,
+            (4, 2, true),
+        );
+        assert_eq!(tuner.map(|t| t.setting()), Some(configured));
+        assert_eq!(first, None);
+    }
+
+    #[test]
+    fn the_shape_tuned_before_is_kept_even_when_another_was_tuned_later() {
+        let mine = knobs(32, 2, false, true);
+        let later = knobs(8, 9, true, false);
+        let resume = vec![tuned(4, 2, true, mine), tuned(6, 3, true, later)];
+        let (tuner, first) = Worker::resume(
+            resuming(resume, crate::Held::default()),
+            knobs(64, 5, true, false),
+            (4, 2, true),
+        );
+        assert!(tuner.is_none(), "a shape tuned before is not tuned again");
+        assert_eq!(first, Some((mine, false)));
+    }
+
+    #[test]
+    fn a_new_shape_tunes_from_the_setting_tuned_last_with_held_knobs_kept() {
+        let resume = vec![
+            tuned(4, 2, true, knobs(32, 2, false, true)),
+            tuned(6, 3, true, knobs(8, 9, false, true)),
+        ];
+        let held = crate::Held {
+            cycle: true,
+            ..crate::Held::default()
+        };
+        let configured = knobs(64, 5, true, false);
+        let (tuner, first) = Worker::resume(resuming(resume, held), configured, (8, 4, true));
+        // Fusion, cache and hierarchy from the last tuned; the held cycle time as configured.
+        let start = knobs(8, 5, false, true);
+        assert_eq!(tuner.map(|t| t.setting()), Some(start));
+        assert_eq!(first, Some((start, true)));
+    }
+
+    #[test]
+    fn hierarchical_knobs_come_from_tuning_only_where_both_worlds_run_hierarchically() {
+        let configured = knobs(64, 5, true, true);
+        // Tuned where hierarchy was impossible: its "off" was never chosen.
+        let flat = vec![tuned(4, 4, false, knobs(8, 9, false, false))];
+        let (_, first) = Worker::resume(
+            resuming(flat, crate::Held::default()),
+            configured,
+            (4, 2, true),
+        );
+        assert_eq!(first, Some((knobs(8, 9, false, true), true)));
+        // Tuned hierarchical, now on a world that cannot be: off.
+        let hier = vec![tuned(4, 2, true, knobs(8, 9, false, true))];
+        let (_, first) = Worker::resume(
+            resuming(hier, crate::Held::default()),
+            configured,
+            (4, 4, false),
+        );
+        assert_eq!(first, Some((knobs(8, 9, false, false), true)));
     }
 }

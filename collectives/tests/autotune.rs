@@ -141,9 +141,11 @@ fn a_later_engine_keeps_what_was_tuned_or_tunes_from_it_on_another_shape() {
     let log = dir.join("autotune.csv");
     let rows = || std::fs::read_to_string(&log).unwrap().lines().count();
     let ips = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
+    // The later engines are configured elsewhere than the first, so that starting on the
+    // tuned setting cannot be mistaken for starting on the configured one.
     let cfg = |resume: Vec<Tuned>| EngineConfig {
-        fusion_bytes: 0,
-        cycle: Duration::from_millis(20),
+        fusion_bytes: if resume.is_empty() { 0 } else { 3 << 20 },
+        cycle: Duration::from_millis(if resume.is_empty() { 20 } else { 3 }),
         autotune: Some(AutotuneConfig {
             warmup_samples: 1,
             steps_per_sample: 1,
@@ -162,11 +164,9 @@ fn a_later_engine_keeps_what_was_tuned_or_tunes_from_it_on_another_shape() {
             let comm = std::mem::replace(comm, hvd_collectives::Communicator::single());
             let first = Engine::start(comm, cfg(Vec::new())).unwrap();
             until_settled(&first, r);
-            let tuned = first
-                .status()
-                .tuned
-                .expect("the tuned setting, once settled");
-            let comm = first.stop().unwrap();
+            let (comm, status) = first.stop_with_status();
+            let comm = comm.unwrap();
+            let tuned = status.tuned.expect("the tuned setting, once settled");
             // Every rank has seen the end of tuning: rank 0 has logged all of it.
             let logged = rows();
 
@@ -201,7 +201,11 @@ fn a_later_engine_keeps_what_was_tuned_or_tunes_from_it_on_another_shape() {
         },
     );
     let tuned = out[0].0;
-    assert_eq!((tuned.size, tuned.hosts), (4, Some(2)));
+    assert_eq!(tuned.shape(), (4, 2, true));
+    assert_ne!(
+        (tuned.setting.fusion_bytes, tuned.setting.cycle),
+        (3 << 20, Duration::from_millis(3))
+    );
     for (r, (t, logged, same_bursts, same, logged_same, again_bursts, again)) in
         out.iter().enumerate()
     {

@@ -709,12 +709,12 @@ pub fn start_engine(cfg: EngineConfig) -> Result<Engine> {
 /// # Errors
 /// [`Error::NotInitialized`].
 pub fn stop_engine(engine: Engine) -> Result<()> {
-    if let Some(t) = engine.status().tuned {
+    let (comm, status) = engine.stop_with_status();
+    if let Some(t) = status.tuned {
         let mut tuned = TUNED.lock().unwrap_or_else(PoisonError::into_inner);
-        tuned.retain(|k| (k.size, k.hosts) != (t.size, t.hosts));
+        tuned.retain(|k| k.shape() != t.shape());
         tuned.push(t);
     }
-    let comm = engine.stop();
     let mut ctx = context();
     let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
     c.engine_active = false;

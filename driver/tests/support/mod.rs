@@ -53,7 +53,8 @@ pub struct Job {
 }
 
 /// A scratch directory with `hosts` (what discovery prints) and `discover.sh`. A [`Job`]
-/// started in it removes it when the test passes; a failed test's stays, to be read.
+/// started in it removes it when the job is finished ([`Job::finish`]) or dropped, except
+/// when dropped by a failing test: that one's stays, to be read.
 pub fn scratch(name: &str) -> PathBuf {
     sweep_stale();
     let dir = std::env::temp_dir().join(format!("hvd-elastic-{}-{name}", std::process::id()));
