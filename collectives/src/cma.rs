@@ -64,7 +64,8 @@ pub(crate) struct Agreement {
     /// Every rank of the world runs on this host and may read every other.
     pub(crate) world: bool,
     /// Every host group agreed on `local`, and which hierarchical collectives every rank
-    /// wants: bit 0 allreduce, bit 1 allgather (0: none).
+    /// wants: bit 0 allreduce, bit 1 allgather, bit 2 allgather not refused by any rank (0:
+    /// none).
     pub(crate) hierarchical: u8,
     /// Every rank's mailbox for small messages (this rank's own included).
     pub(crate) mailboxes: Vec<crate::mailbox::Remote>,
@@ -177,8 +178,9 @@ pub(crate) fn write_remote(pid: Pid, addr: usize, data: &[u8]) -> io::Result<()>
 /// host group (ranks listening on one address form one host, so that one machine can play
 /// several hosts); `enabled` is this rank's own setting, and one rank that disables it
 /// disables it for every group it belongs to. `hierarchical` is this rank's wish for
-/// hierarchical collectives (bit 0 allreduce, bit 1 allgather); each needs every rank's. `offer` is this rank's part of the
-/// machine's core count ([`shared_cores`]).
+/// hierarchical collectives (bit 0 allreduce, bit 1 allgather; bit 2: allgather not refused);
+/// each needs every rank's. `offer` is this rank's part of the machine's core count
+/// ([`shared_cores`]).
 pub(crate) fn negotiate(
     rank: usize,
     streams: &mut [Option<TcpStream>],
@@ -251,7 +253,7 @@ pub(crate) fn negotiate(
             local &= b[0] & 2 == 2;
         }
     }
-    let mut all = if local { hierarchical & 3 } else { 0 };
+    let mut all = if local { hierarchical & 7 } else { 0 };
     for s in streams.iter_mut().flatten() {
         s.write_all(&[all])?;
     }

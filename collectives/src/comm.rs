@@ -37,6 +37,8 @@ pub struct Communicator {
     /// (switched at run time by the engine's autotune, on every rank at the same cycle).
     pub(crate) hier_allreduce: bool,
     pub(crate) hier_allgather: bool,
+    /// Whether some rank turned hierarchical allreduce, allgather off explicitly.
+    hier_refused: (bool, bool),
     /// This rank's mailbox for small messages among ranks of one host.
     mailbox: Mailbox,
     /// Every rank's mailbox and the largest payload all of them hold, when the whole world
@@ -207,7 +209,8 @@ impl Communicator {
             &host_of,
             cfg.same_host_copy,
             u8::from(cfg.hierarchical != Some(false))
-                | (u8::from(cfg.hierarchical_allgather == Some(true)) << 1),
+                | (u8::from(cfg.hierarchical_allgather == Some(true)) << 1)
+                | (u8::from(cfg.hierarchical_allgather != Some(false)) << 2),
             &mailbox,
             crate::cma::CoreOffer::own(cfg.cores),
         )
@@ -267,7 +270,7 @@ impl Communicator {
             Some("hosts run different numbers of ranks")
         } else if per_host < 2 {
             Some("every host runs one rank")
-        } else if agreed.hierarchical == 0 {
+        } else if agreed.hierarchical & 3 == 0 {
             Some("not every host could read its ranks' memory, or a rank disabled it")
         } else {
             None
@@ -301,6 +304,8 @@ impl Communicator {
         // hierarchical only where every rank asked for it (Horovod's default is flat).
         self.hier_allreduce = agreed.hierarchical & 1 != 0;
         self.hier_allgather = agreed.hierarchical & 2 != 0;
+        // A rank's explicit 0 holds the knob off for autotune too.
+        self.hier_refused = (agreed.hierarchical & 1 == 0, agreed.hierarchical & 4 == 0);
         Ok(())
     }
 
@@ -460,6 +465,7 @@ impl Communicator {
             hier: None,
             hier_allreduce: false,
             hier_allgather: false,
+            hier_refused: (false, false),
             mailbox: Mailbox::new(0),
             mail: None,
             posted: None,
@@ -499,6 +505,12 @@ impl Communicator {
     /// of ranks on each, more than one per host, and no rank refused both).
     pub fn can_run_hierarchically(&self) -> bool {
         self.hier.is_some()
+    }
+
+    /// Whether some rank turned hierarchical allreduce and allgather (in that order) off
+    /// explicitly: autotune holds such a knob off, as every rank's wish is needed to turn it on.
+    pub fn hierarchy_refused(&self) -> (bool, bool) {
+        self.hier_refused
     }
 
     /// Number of hosts (distinct addresses) the world spans.

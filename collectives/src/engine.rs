@@ -855,7 +855,10 @@ impl Worker {
         // membership keeps what this process tuned before on a world of the same shape, and
         // tunes from it on another shape.
         let (tuner, proposed) = match cfg.autotune.clone() {
-            Some(a) if comm.rank() == 0 && comm.size() > 1 => {
+            Some(mut a) if comm.rank() == 0 && comm.size() > 1 => {
+                let (allreduce, allgather) = comm.hierarchy_refused();
+                a.held.hierarchical_allreduce |= allreduce;
+                a.held.hierarchical_allgather |= allgather;
                 let shape = (comm.size(), comm.hosts(), comm.can_run_hierarchically());
                 Self::resume(a, setting, shape)
             }

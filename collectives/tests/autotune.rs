@@ -249,3 +249,61 @@ fn a_later_engine_keeps_what_was_tuned_or_tunes_from_it_on_another_shape() {
     assert!(lines.len() > out[0].4 + 3, "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// One rank's explicit "no" to hierarchical allgather holds it off: rank 0's autotune, whose
+/// own variables say nothing, never tries it (every rank's wish is needed to turn it on).
+#[test]
+fn a_hierarchical_knob_one_rank_turned_off_is_held_off() {
+    let dir = std::env::temp_dir().join(format!("hvd-autotune-held-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("autotune.csv");
+    let ips = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
+    let out = world_on(
+        &ips,
+        |cfg| {
+            if cfg.rank == 3 {
+                cfg.hierarchical_allgather = Some(false);
+            }
+        },
+        |comm| {
+            let r = comm.rank();
+            let hierarchy = comm.can_run_hierarchically();
+            let comm = std::mem::replace(comm, hvd_collectives::Communicator::single());
+            let cfg = EngineConfig {
+                fusion_bytes: 0,
+                cycle: Duration::from_millis(20),
+                autotune: Some(AutotuneConfig {
+                    warmup_samples: 1,
+                    steps_per_sample: 1,
+                    max_samples: 3,
+                    log: Some(log.clone()),
+                    ..AutotuneConfig::default()
+                }),
+                ..EngineConfig::default()
+            };
+            let e = Engine::start(comm, cfg).unwrap();
+            let (_, settings) = until_settled(&e, r);
+            (hierarchy, settings)
+        },
+    );
+    for (r, (hierarchy, settings)) in out.iter().enumerate() {
+        assert!(
+            *hierarchy,
+            "rank {r}: hierarchical allreduce stays possible"
+        );
+        assert!(
+            settings.iter().all(|s| !s.hierarchical_allgather),
+            "rank {r} ran allgather hierarchically: {settings:?}"
+        );
+    }
+    // Warm-up discarded; 3 Bayesian samples; hierarchical allreduce and the cache tried
+    // flipped, not allgather; the best.
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 1 + 3 + 2 + 1, "{text}");
+    assert!(
+        lines[1..].iter().all(|l| l.split(',').nth(1) == Some("0")),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
