@@ -537,10 +537,14 @@ fn the_spot_demo_passes_with_the_pytorch_counter() {
         profile.join("examples/elastic_counter").exists(),
         "run the tests with `cargo test --workspace`, which builds the examples"
     );
+    // spot.sh keeps its logs in a directory under TMPDIR: here, a scratch one, removed when
+    // the demo passed.
+    let tmp = scratch("spot");
     let out = Command::new(root().join("examples/spot/spot.sh"))
         .args(["--debug", "--python"])
         .current_dir(root())
         .env("HVD_PYTHON", python())
+        .env("TMPDIR", &tmp)
         .output()
         .expect("spot.sh");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -549,6 +553,7 @@ fn the_spot_demo_passes_with_the_pytorch_counter() {
         "{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let _ = std::fs::remove_dir_all(&tmp);
 }
 
 #[test]
