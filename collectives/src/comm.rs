@@ -858,6 +858,16 @@ impl Communicator {
                     Ok(Some(head)) => {
                         descs[p] = match Descriptor::decode(&head) {
                             Ok(x) => x,
+                            // A peer that failed closes its connection first and may free
+                            // its mailbox after: what is read there then is no post.
+                            Err(_) if self.closed_peer(&[p]).is_some() => {
+                                let e = std::io::Error::new(
+                                    std::io::ErrorKind::UnexpectedEof,
+                                    "it closed its connection",
+                                );
+                                let f = LinkFailure::new(&self.shared, p, e);
+                                return Err(self.link_error(f, op, Phase::Arrival));
+                            }
                             Err(detail) => {
                                 return Err(self.fail(CommError::Protocol { rank: p, detail }));
                             }
