@@ -126,6 +126,31 @@ pub struct Held {
     pub hierarchical_allgather: bool,
 }
 
+impl Held {
+    /// `tuned`, with the knobs held here at their `configured` values.
+    pub fn hold(&self, configured: &Setting, tuned: Setting) -> Setting {
+        fn pick<T>(held: bool, configured: T, tuned: T) -> T {
+            if held { configured } else { tuned }
+        }
+        let c = configured;
+        Setting {
+            fusion_bytes: pick(self.fusion, c.fusion_bytes, tuned.fusion_bytes),
+            cycle: pick(self.cycle, c.cycle, tuned.cycle),
+            cache: pick(self.cache, c.cache, tuned.cache),
+            hierarchical_allreduce: pick(
+                self.hierarchical_allreduce,
+                c.hierarchical_allreduce,
+                tuned.hierarchical_allreduce,
+            ),
+            hierarchical_allgather: pick(
+                self.hierarchical_allgather,
+                c.hierarchical_allgather,
+                tuned.hierarchical_allgather,
+            ),
+        }
+    }
+}
+
 /// How autotune runs (Horovod's `HOROVOD_AUTOTUNE_*` variables).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AutotuneConfig {
@@ -628,9 +653,9 @@ impl Tuner {
     /// or, for programs whose op names never repeat, after `64 × steps_per_sample` cycles.
     /// Returns the setting every rank must apply next when a sample completed and the tuner
     /// moves on.
-    pub fn step<'a>(
+    pub fn step(
         &mut self,
-        names: impl IntoIterator<Item = &'a str>,
+        names: &[impl AsRef<str>],
         bytes: u64,
         time: Duration,
     ) -> Option<Setting> {
@@ -638,11 +663,7 @@ impl Tuner {
             return None;
         }
         let per = self.cfg.steps_per_sample.max(1);
-        let mut repeated = false;
-        let names: Vec<&str> = names.into_iter().collect();
-        for n in &names {
-            repeated |= self.seen.get(*n).is_some_and(|&k| k >= per);
-        }
+        let repeated = (names.iter()).any(|n| self.seen.get(n.as_ref()).is_some_and(|&k| k >= per));
         let ended = (repeated || self.steps >= 64 * per) && self.steps > 0;
         let next = if ended { self.close_sub_sample() } else { None };
         if next.is_some() {
@@ -653,10 +674,10 @@ impl Tuner {
         self.time += time;
         self.steps += 1;
         for n in names {
-            match self.seen.get_mut(n) {
+            match self.seen.get_mut(n.as_ref()) {
                 Some(k) => *k += 1,
                 None => {
-                    self.seen.insert(n.to_string(), 1);
+                    self.seen.insert(n.as_ref().to_string(), 1);
                 }
             }
         }
@@ -921,7 +942,7 @@ mod tests {
             let s = t.setting();
             // One step moves 1 MB at the setting's throughput.
             let micros = 1e6 / throughput(&s);
-            if let Some(next) = t.step(["w"], 1_000_000, Duration::from_secs_f64(micros / 1e6)) {
+            if let Some(next) = t.step(&["w"], 1_000_000, Duration::from_secs_f64(micros / 1e6)) {
                 applied.push(next);
             }
         }
@@ -968,7 +989,7 @@ mod tests {
             let s = t.setting();
             seen.push(s);
             t.step(
-                ["w"],
+                &["w"],
                 1_000_000,
                 Duration::from_secs_f64(1.0 / throughput(&s)),
             );

@@ -1156,8 +1156,11 @@ impl Worker {
             self.last_step = end;
             // A cycle that switched settings waited out its cycle under the old one: not scored.
             if switch.is_none() {
-                let names = ready.iter().map(String::as_str);
-                if let Some(next) = self.tuner.as_mut().and_then(|t| t.step(names, bytes, time)) {
+                if let Some(next) = self
+                    .tuner
+                    .as_mut()
+                    .and_then(|t| t.step(&ready, bytes, time))
+                {
                     let tuning = self.tuner.as_ref().is_some_and(|t| !t.is_done());
                     self.proposed = Some((next, tuning));
                 }
@@ -1191,35 +1194,13 @@ impl Worker {
         };
         // Held knobs stay where they were set, whatever was tuned before.
         let mut held = a.held;
-        // A world that could not run hierarchically tuned nothing there: the configured
-        // hierarchical knobs apply.
-        if !before.hierarchical {
+        // Hierarchical knobs carry over only between worlds that both run hierarchically: one
+        // that could not tuned nothing there, and in one that cannot they are off as configured.
+        if !(before.hierarchical && hierarchy) {
             held.hierarchical_allreduce = true;
             held.hierarchical_allgather = true;
         }
-        fn pick<T>(held: bool, configured: T, tuned: T) -> T {
-            if held { configured } else { tuned }
-        }
-        let (c, t) = (configured, before.setting);
-        let mut start = Setting {
-            fusion_bytes: pick(held.fusion, c.fusion_bytes, t.fusion_bytes),
-            cycle: pick(held.cycle, c.cycle, t.cycle),
-            cache: pick(held.cache, c.cache, t.cache),
-            hierarchical_allreduce: pick(
-                held.hierarchical_allreduce,
-                c.hierarchical_allreduce,
-                t.hierarchical_allreduce,
-            ),
-            hierarchical_allgather: pick(
-                held.hierarchical_allgather,
-                c.hierarchical_allgather,
-                t.hierarchical_allgather,
-            ),
-        };
-        if !hierarchy {
-            start.hierarchical_allreduce = false;
-            start.hierarchical_allgather = false;
-        }
+        let start = held.hold(&configured, before.setting);
         if before.shape() == shape {
             tracing::info!(
                 size,
@@ -1765,11 +1746,12 @@ mod tests {
             (4, 2, true),
         );
         assert_eq!(first, Some((knobs(8, 9, false, true), true)));
-        // Tuned hierarchical, now on a world that cannot be: off.
+        // Tuned hierarchical, now on a world that cannot be (whose communicator reports the
+        // hierarchical knobs off): off.
         let hier = vec![tuned(4, 2, true, knobs(8, 9, false, true))];
         let (_, first) = Worker::resume(
             resuming(hier, crate::Held::default()),
-            configured,
+            knobs(64, 5, true, false),
             (4, 4, false),
         );
         assert_eq!(first, Some((knobs(8, 9, false, false), true)));
