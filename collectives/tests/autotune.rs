@@ -6,6 +6,7 @@
 
 mod support;
 
+use std::path::Path;
 use std::time::Duration;
 
 use hvd_collectives::autotune::LOG_HEADER;
@@ -26,19 +27,7 @@ fn every_rank_ends_on_rank_0_s_best_setting_with_every_sum_right() {
             let r = comm.rank();
             let hierarchy = comm.can_run_hierarchically();
             let comm = std::mem::replace(comm, hvd_collectives::Communicator::single());
-            let cfg = EngineConfig {
-                fusion_bytes: 0,
-                cycle: Duration::from_millis(20),
-                autotune: Some(AutotuneConfig {
-                    warmup_samples: 1,
-                    steps_per_sample: 1,
-                    max_samples: 3,
-                    log: Some(log.clone()),
-                    ..AutotuneConfig::default()
-                }),
-                ..EngineConfig::default()
-            };
-            let e = Engine::start(comm, cfg).unwrap();
+            let e = Engine::start(comm, tuning(&log, Vec::new())).unwrap();
             let (_, settings) = until_settled(&e, r);
             (e.status(), settings, hierarchy)
         },
@@ -79,6 +68,25 @@ fn every_rank_ends_on_rank_0_s_best_setting_with_every_sum_right() {
     let top = scores.iter().copied().fold(f64::MIN, f64::max);
     assert_eq!(best[6].parse::<f64>().unwrap(), top, "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An engine with fusion off and a 20 ms cycle, tuned quickly (one warm-up sample, one step
+/// per sub-sample, three Bayesian samples) and logging to `log`; `resume` as
+/// [`AutotuneConfig::resume`].
+fn tuning(log: &Path, resume: Vec<Tuned>) -> EngineConfig {
+    EngineConfig {
+        fusion_bytes: 0,
+        cycle: Duration::from_millis(20),
+        autotune: Some(AutotuneConfig {
+            warmup_samples: 1,
+            steps_per_sample: 1,
+            max_samples: 3,
+            log: Some(log.to_path_buf()),
+            resume,
+            ..AutotuneConfig::default()
+        }),
+        ..EngineConfig::default()
+    }
 }
 
 /// Runs bursts of allreduces and an allgather on `e` (this is rank `r` of 4), checking every
@@ -143,18 +151,13 @@ fn a_later_engine_keeps_what_was_tuned_or_tunes_from_it_on_another_shape() {
     let ips = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"];
     // The later engines are configured elsewhere than the first, so that starting on the
     // tuned setting cannot be mistaken for starting on the configured one.
-    let cfg = |resume: Vec<Tuned>| EngineConfig {
-        fusion_bytes: if resume.is_empty() { 0 } else { 3 << 20 },
-        cycle: Duration::from_millis(if resume.is_empty() { 20 } else { 3 }),
-        autotune: Some(AutotuneConfig {
-            warmup_samples: 1,
-            steps_per_sample: 1,
-            max_samples: 3,
-            log: Some(log.clone()),
-            resume,
-            ..AutotuneConfig::default()
-        }),
-        ..EngineConfig::default()
+    let cfg = |resume: Vec<Tuned>| {
+        let first = resume.is_empty();
+        EngineConfig {
+            fusion_bytes: if first { 0 } else { 3 << 20 },
+            cycle: Duration::from_millis(if first { 20 } else { 3 }),
+            ..tuning(&log, resume)
+        }
     };
     let out = world_on(
         &ips,
@@ -269,19 +272,7 @@ fn a_hierarchical_knob_one_rank_turned_off_is_held_off() {
             let r = comm.rank();
             let hierarchy = comm.can_run_hierarchically();
             let comm = std::mem::replace(comm, hvd_collectives::Communicator::single());
-            let cfg = EngineConfig {
-                fusion_bytes: 0,
-                cycle: Duration::from_millis(20),
-                autotune: Some(AutotuneConfig {
-                    warmup_samples: 1,
-                    steps_per_sample: 1,
-                    max_samples: 3,
-                    log: Some(log.clone()),
-                    ..AutotuneConfig::default()
-                }),
-                ..EngineConfig::default()
-            };
-            let e = Engine::start(comm, cfg).unwrap();
+            let e = Engine::start(comm, tuning(&log, Vec::new())).unwrap();
             let (_, settings) = until_settled(&e, r);
             (hierarchy, settings)
         },
