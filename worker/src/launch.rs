@@ -308,23 +308,18 @@ mod tests {
         }
         assert_eq!(l.hierarchical_allgather, None);
         let mut e = full();
-        e.insert(rv::ENV_HIERARCHICAL_ALLGATHER.into(), "1".into());
-        assert_eq!(
-            Launch::from_env(&e)
-                .unwrap()
-                .unwrap()
-                .hierarchical_allgather,
-            Some(true)
-        );
         // Read as Horovod reads it: an integer above 0 is on.
-        e.insert(rv::ENV_HIERARCHICAL_ALLGATHER.into(), "2".into());
-        assert_eq!(
-            Launch::from_env(&e)
-                .unwrap()
-                .unwrap()
-                .hierarchical_allgather,
-            Some(true)
-        );
+        for on in ["1", "2"] {
+            e.insert(rv::ENV_HIERARCHICAL_ALLGATHER.into(), on.into());
+            assert_eq!(
+                Launch::from_env(&e)
+                    .unwrap()
+                    .unwrap()
+                    .hierarchical_allgather,
+                Some(true),
+                "{on}"
+            );
+        }
         e.insert(rv::ENV_HIERARCHICAL_ALLGATHER.into(), "on".into());
         let err = Launch::from_env(&e).unwrap_err().to_string();
         assert!(
