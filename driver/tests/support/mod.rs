@@ -3,6 +3,11 @@
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)] // each test file uses a part
 
+// failover.rs loads this file a second time, through the etcd support.
+#[allow(clippy::duplicate_mod)]
+#[path = "../../../store/tests/support/stale.rs"]
+mod stale;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
@@ -56,7 +61,9 @@ pub struct Job {
 /// started in it removes it when the job is finished ([`Job::finish`]) or dropped, except
 /// when dropped by a failing test: that one's stays, to be read.
 pub fn scratch(name: &str) -> PathBuf {
-    sweep_stale();
+    // Those of dead test processes, once per test binary.
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(|| stale::sweep(&std::env::temp_dir(), "hvd-elastic-"));
     let dir = std::env::temp_dir().join(format!("hvd-elastic-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("scratch dir");
@@ -73,27 +80,6 @@ pub fn scratch(name: &str) -> PathBuf {
     std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
     std::fs::set_permissions(&script, perm).expect("chmod");
     dir
-}
-
-/// Removes, once per test binary, the scratch directories of test runs whose process is gone
-/// (failed tests', or a run that was killed), so that they do not pile up in `/tmp`.
-fn sweep_stale() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name();
-            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("hvd-elastic-")) else {
-                continue;
-            };
-            let pid = rest.split('-').next().and_then(|p| p.parse::<i32>().ok());
-            if pid.is_some_and(|p| p != std::process::id() as i32 && !alive(p)) {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-    });
 }
 
 impl Job {
@@ -396,10 +382,7 @@ impl Drop for Job {
 
 /// Whether `pid` runs (a zombie does not).
 pub fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit_once(')')
-            .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
-    })
+    u32::try_from(pid).is_ok_and(stale::running)
 }
 
 /// The pids of the processes whose parent is one of `parents`.

@@ -6,6 +6,8 @@
 
 #[path = "debian.rs"]
 mod debian;
+#[path = "stale.rs"]
+mod stale;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -60,29 +62,6 @@ fn data_root() -> &'static Path {
     })
 }
 
-/// Removes, once per process, the data directories under `root` of etcds whose test process
-/// is gone (a run that was killed), so that they do not pile up in memory or on disk.
-fn sweep_stale(root: &Path) {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let Ok(entries) = std::fs::read_dir(root) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name();
-            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("hvd-etcd-")) else {
-                continue;
-            };
-            let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
-            if pid.is_some_and(|p| {
-                p != std::process::id() && !Path::new(&format!("/proc/{p}")).exists()
-            }) {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-    });
-}
-
 impl Etcd {
     /// Starts one and waits until it serves, its data in memory where there is room.
     pub fn start() -> Self {
@@ -92,7 +71,9 @@ impl Etcd {
     /// Starts one with its data under `root` (the disk, for figures comparable with a
     /// deployment's), and waits until it serves.
     pub fn start_in(root: &Path) -> Self {
-        sweep_stale(root);
+        // Those of killed runs, once per process.
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(|| stale::sweep(root, "hvd-etcd-"));
         let dir = root.join(format!("hvd-etcd-{}-{}", std::process::id(), free_port()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("etcd's data directory");
