@@ -321,12 +321,6 @@ fn updates_through() -> u64 {
     hvd::elastic::steps::updates_through()
 }
 
-/// The highest host-update id the driver has announced to this worker.
-#[pyfunction]
-fn latest_update() -> u64 {
-    hvd::elastic::steps::latest_update()
-}
-
 /// The newest host update any rank has been told of (a max-allreduce: every rank calls it at
 /// the same point).
 #[pyfunction]
@@ -565,7 +559,6 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(generation, m)?,
         wrap_pyfunction!(report_synced, m)?,
         wrap_pyfunction!(updates_through, m)?,
-        wrap_pyfunction!(latest_update, m)?,
         wrap_pyfunction!(restore_process_sets, m)?,
         wrap_pyfunction!(join, m)?,
         wrap_pyfunction!(start_timeline, m)?,
