@@ -29,13 +29,20 @@ Chart name and version for the helm.sh/chart label.
 {{- end }}
 
 {{/*
-Labels every object of the release carries.
+Labels every object of the release carries, but its component.
 */}}
-{{- define "hvd.labels" -}}
+{{- define "hvd.commonLabels" -}}
 helm.sh/chart: {{ include "hvd.chart" . }}
 {{ include "hvd.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+Labels of the operator's objects: the common ones, the component the operator.
+*/}}
+{{- define "hvd.labels" -}}
+{{ include "hvd.commonLabels" . }}
 app.kubernetes.io/component: operator
 {{- end }}
 
