@@ -12,7 +12,6 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use support::{Job, check_counter, scratch, signal, steps_rerun};
@@ -254,20 +253,6 @@ fn an_elastic_torch_job_grows_when_a_host_is_added() {
     assert_eq!(steps_rerun(&lines), 0, "a host change rolls nothing back");
 }
 
-/// Waits up to a minute until `what` occurs `n` times in the job's stderr.
-fn wait_stderr_count(job: &Job, what: &str, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while job.stderr_count(what) < n {
-        assert!(
-            Instant::now() < deadline,
-            "{what:?} logged {} times, not {n}:\n{}",
-            job.stderr_count(what),
-            job.err_tail()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Autotune through elastic rounds: the first round (4 ranks on 2 hosts) tunes to the end; a
 /// host added makes a new shape (6 on 3), tuned again starting from the first round's
 /// setting; the host removed brings back the first shape, whose setting rank 0 keeps without
@@ -300,13 +285,12 @@ fn autotune_keeps_what_it_tuned_across_elastic_rounds() {
     let script = "python/tests/elastic_train.py";
     let job = elastic_script("py-autotune", &two, &flags, script, &steps);
     const BEST: &str = "autotune: best params";
-    wait_stderr_count(&job, BEST, 1);
+    job.wait_stderr_count(BEST, 1);
     job.set_hosts(&["127.0.0.2:2", "127.0.0.3:2", "127.0.0.4:2"]);
-    wait_stderr_count(&job, "starting from the setting tuned before", 1);
-    wait_stderr_count(&job, BEST, 2);
+    job.wait_stderr_count("starting from the setting tuned before", 1);
+    job.wait_stderr_count(BEST, 2);
     job.set_hosts(&two);
-    wait_stderr_count(
-        &job,
+    job.wait_stderr_count(
         "keeping the setting tuned on an earlier round of this shape",
         1,
     );

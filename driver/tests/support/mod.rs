@@ -232,6 +232,20 @@ impl Job {
         self.err.lock().map_or(0, |e| e.matches(what).count())
     }
 
+    /// Waits up to a minute until `what` occurs `n` times in `horovodrun`'s stderr.
+    pub fn wait_stderr_count(&self, what: &str, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.stderr_count(what) < n {
+            assert!(
+                Instant::now() < deadline,
+                "{what:?} logged {} times, not {n}:\n{}",
+                self.stderr_count(what),
+                self.err_tail()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The last 8 KiB of `horovodrun`'s stderr so far, for a failure message.
     pub fn err_tail(&self) -> String {
         let err = self.err.lock().map(|e| e.clone()).unwrap_or_default();
