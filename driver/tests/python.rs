@@ -9,100 +9,12 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::path::Path;
+use std::process::Command;
 
 use nix::sys::signal::Signal;
+use support::pyenv::{python, root, target_dir};
 use support::{Job, check_counter, scratch, signal, steps_rerun};
-
-/// The repository's root.
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the workspace")
-        .to_path_buf()
-}
-
-/// The cargo target directory these tests were built into.
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test exe");
-    // target/<profile>/deps/<test>
-    exe.ancestors().nth(3).expect("target dir").to_path_buf()
-}
-
-fn run(cmd: &mut Command, what: &str) -> Result<Output, String> {
-    let out = cmd
-        .output()
-        .map_err(|e| format!("{what}: cannot run {cmd:?}: {e}"))?;
-    if out.status.success() {
-        Ok(out)
-    } else {
-        Err(format!(
-            "{what} failed ({}):\n{}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
-
-/// The virtualenv's interpreter, with torch and the package installed from this checkout.
-fn python() -> &'static Path {
-    static PYTHON: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    match PYTHON.get_or_init(set_up) {
-        Ok(p) => p,
-        Err(e) => panic!("setting up the Python environment: {e}"),
-    }
-}
-
-fn set_up() -> Result<PathBuf, String> {
-    let venv = target_dir().join("pyenv");
-    let bin = venv.join("bin");
-    let python = bin.join("python");
-    let ready = python.exists()
-        && Command::new(&python)
-            .args(["-c", "import torch, torchvision, numpy, maturin"])
-            .output()
-            .is_ok_and(|o| o.status.success());
-    if !ready {
-        eprintln!("installing torch into {} (first use)", venv.display());
-        if !python.exists() {
-            run(
-                Command::new("python3").args(["-m", "venv"]).arg(&venv),
-                "creating the virtualenv",
-            )?;
-        }
-        run(
-            Command::new(bin.join("pip"))
-                .args(["install", "--quiet", "--no-cache-dir", "--no-deps", "-r"])
-                .arg(root().join("python/requirements-test.txt")),
-            "installing torch",
-        )?;
-    }
-    // maturin builds the native module with cargo into a target directory of its own (the
-    // package is not a workspace member), found again on the next run.
-    let path = format!(
-        "{}:{}",
-        bin.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    run(
-        Command::new(bin.join("pip"))
-            .args([
-                "install",
-                "--quiet",
-                "--no-build-isolation",
-                "--no-deps",
-                "--force-reinstall",
-            ])
-            .arg(root().join("python"))
-            .env("PATH", path)
-            .env("CARGO_TARGET_DIR", target_dir().join("python")),
-        "building and installing ./python",
-    )?;
-    Ok(python)
-}
 
 /// `horovodrun` running the Python script `script` as `np` ranks on this host.
 fn under_hvd(np: usize, script: &Path) -> Command {

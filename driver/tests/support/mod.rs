@@ -8,6 +8,8 @@
 #[path = "../../../store/tests/support/stale.rs"]
 mod stale;
 
+pub mod pyenv;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
