@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// The lines outside fenced code blocks, numbered from 1, grouped into paragraphs (a code span
 /// or a link may run over a line break inside one).
-pub(crate) fn paragraphs(text: &str) -> Vec<(usize, String)> {
+fn paragraphs(text: &str) -> Vec<(usize, String)> {
     let mut out = Vec::new();
     let (mut fenced, mut start, mut cur) = (false, 0, String::new());
     for (i, line) in text.lines().enumerate() {
@@ -32,7 +32,7 @@ pub(crate) fn paragraphs(text: &str) -> Vec<(usize, String)> {
 
 /// `text` with its code spans blanked (same length, line breaks kept), so that brackets inside
 /// them are not taken for links.
-pub(crate) fn without_code(text: &str) -> String {
+fn without_code(text: &str) -> String {
     let chars: Vec<char> = text.chars().collect();
     let run = |i: usize| chars[i..].iter().take_while(|&&c| c == '`').count();
     let mut out: Vec<char> = chars.clone();

@@ -22,7 +22,9 @@ pub(crate) fn commands(text: &str) -> Vec<(usize, Vec<String>)> {
     out
 }
 
-pub(crate) fn split(script: &str, first_line: usize, out: &mut Vec<(usize, Vec<String>)>) {
+/// Splits `script` (starting at line `first_line` of its page) into commands, appending them to
+/// `out`.
+fn split(script: &str, first_line: usize, out: &mut Vec<(usize, Vec<String>)>) {
     let chars: Vec<char> = script.chars().collect();
     let (mut line, mut i) = (first_line, 0);
     let (mut words, mut word, mut in_word, mut start) = (Vec::new(), String::new(), false, line);
