@@ -265,7 +265,7 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
         network_interface: args.nic(),
         rendezvous_host,
         start_timeout,
-        extra_env: timeline_env(args)?,
+        extra_env: shared_worker_env(args)?,
         launch: launch_mode(args, std::env::var(hvd_agent::ENV_AGENT_SECRET).ok())?,
         status_port: args.status_port,
         heartbeat_timeout: heartbeat_timeout(args)?,
@@ -386,12 +386,14 @@ fn discovery_source(args: &cli::Args) -> anyhow::Result<elastic::run::Source> {
     )
 }
 
-/// The engine and timeline settings the workers get: `--cycle-time-ms`,
-/// `--fusion-threshold-mb`, `--cache-capacity`, `--[no-]hierarchical-allreduce`,
-/// `--tcp-streams`, huge pages for large allocations, and a fresh timeline file for
-/// `--timeline-filename`.
-fn timeline_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
+/// The variables every worker of the job gets, static or elastic, whatever starts it (a local
+/// process, ssh, an agent, so a Kubernetes pod too): unbuffered Python output, huge pages for
+/// large allocations, the engine settings (`--cycle-time-ms`, `--fusion-threshold-mb`,
+/// `--cache-capacity`, `--[no-]hierarchical-allreduce`, `--tcp-streams`), a fresh timeline file
+/// for `--timeline-filename`, and Horovod's variables of horovodrun's own environment.
+fn shared_worker_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> {
     let mut env = huge_pages_env(|k| std::env::var(k).ok());
+    env.extend(unbuffered_env(std::env::var_os(PYTHON_UNBUFFERED)));
     env.extend(horovod::knob_env(args)?);
     for (flag, value, var, scale) in [
         (
@@ -494,6 +496,23 @@ fn huge_pages_env(user: impl Fn(&str) -> Option<String>) -> Vec<(String, String)
         .filter(|(k, _)| user(k).is_none())
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
+}
+
+/// Python's switch for unbuffered `stdout` and `stderr`.
+const PYTHON_UNBUFFERED: &str = "PYTHONUNBUFFERED";
+
+/// `PYTHONUNBUFFERED` for the workers, so that a Python worker's `print()` reaches
+/// horovodrun's output when it is printed, not when the worker exits. Horovod's launcher sets
+/// it to `1` for every worker, static and elastic (`_slot_info_to_command_fn` in
+/// `horovod/runner/gloo_run.py`), over any value of the user's; here a value of the user's
+/// (`user`: horovodrun's own, any, even `0` or empty) is passed on as it is, to remote workers
+/// too. `None` for a value that is not UTF-8: local workers inherit it, it can't be sent.
+fn unbuffered_env(user: Option<std::ffi::OsString>) -> Option<(String, String)> {
+    let value = match user {
+        None => "1".to_string(),
+        Some(v) => v.into_string().ok()?,
+    };
+    Some((PYTHON_UNBUFFERED.to_string(), value))
 }
 
 fn positive(v: f64, name: &str) -> anyhow::Result<Duration> {
@@ -606,7 +625,7 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
         network_interface: args.nic(),
         rendezvous_host,
         rendezvous_bind,
-        extra_env: timeline_env(args)?,
+        extra_env: shared_worker_env(args)?,
         launch: launch_mode(args, std::env::var(hvd_agent::ENV_AGENT_SECRET).ok())?,
         heartbeat_timeout: heartbeat_timeout(args)?,
     })
@@ -697,7 +716,8 @@ fn report(outcome: Outcome, np: usize) -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::{huge_pages_env, seconds_from};
+    use super::{huge_pages_env, plan, plan_elastic, seconds_from, unbuffered_env};
+    use clap::Parser;
     use std::time::Duration;
 
     #[test]
@@ -732,6 +752,41 @@ mod tests {
             "{e}"
         );
         assert!(hb(Some(f64::NAN), None).is_err());
+    }
+
+    #[test]
+    fn workers_get_unbuffered_python_output_unless_the_user_set_it() {
+        let pair = |v: &str| Some(("PYTHONUNBUFFERED".to_string(), v.to_string()));
+        assert_eq!(unbuffered_env(None), pair("1"));
+        for own in ["0", "", "1", "yes"] {
+            assert_eq!(unbuffered_env(Some(own.into())), pair(own), "{own:?}");
+        }
+        let not_utf8 = std::os::unix::ffi::OsStringExt::from_vec(vec![0xff]);
+        assert_eq!(unbuffered_env(Some(not_utf8)), None);
+    }
+
+    #[test]
+    fn static_and_elastic_workers_both_get_the_shared_variables() {
+        let args = |a: &[&str]| {
+            let argv = a.iter().map(|s| s.to_string());
+            crate::cli::Args::try_parse_from(crate::cli::normalize(argv)).unwrap()
+        };
+        let unbuffered = unbuffered_env(std::env::var_os("PYTHONUNBUFFERED")).unwrap();
+        let fixed = plan(&args(&["horovodrun", "-np", "1", "python3", "t.py"])).unwrap();
+        let elastic = plan_elastic(&args(&[
+            "horovodrun",
+            "--min-np",
+            "1",
+            "--host-discovery-script",
+            "./discover.sh",
+            "python3",
+            "t.py",
+        ]))
+        .unwrap();
+        assert_eq!(elastic.core.np, 1);
+        for env in [fixed.extra_env, elastic.extra_env] {
+            assert!(env.contains(&unbuffered), "{env:?}");
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use support::{example, scratch};
+use support::{example, fake_ssh, scratch};
 
 /// The command lines, extracted from the documentation (`data/seed_commands.txt`).
 fn seed_commands() -> Vec<String> {
@@ -70,19 +70,10 @@ const HOSTS: &[(&str, &str)] = &[
     ("cc", "127.0.0.43"),
 ];
 
-/// `ssh` for the made-up hosts: runs the remote command on this machine, its collective
-/// listener bound to the host's loopback address (so each host is a distinct address, as
-/// across machines).
-const FAKE_SSH: &str = r#"#!/bin/sh
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -o|-p|-i) shift 2 ;;
-    -*) shift ;;
-    *) break ;;
-  esac
-done
-host=$1; shift
-addr=$(awk -v h="$host" '$1 == h { print $2 }' "$HVD_TEST_HOST_MAP")
+/// What the fake `ssh` does for the made-up hosts: runs the remote command on this machine,
+/// its collective listener bound to the host's loopback address (so each host is a distinct
+/// address, as across machines).
+const FAKE_SSH: &str = r#"addr=$(awk -v h="$host" '$1 == h { print $2 }' "$HVD_TEST_HOST_MAP")
 if [ -z "$addr" ]; then echo "ssh: Could not resolve hostname $host" >&2; exit 255; fi
 HVD_BIND_ADDR=$addr exec sh -c "$*"
 "#;
@@ -108,8 +99,7 @@ fn stage(name: &str) -> PathBuf {
         &dir.join("discover_hosts.py"),
         "#!/usr/bin/env python3\nprint('host1:4')\nprint('host2:4')\n",
     );
-    std::fs::create_dir_all(dir.join("bin")).unwrap();
-    exe(&dir.join("bin/ssh"), FAKE_SSH);
+    fake_ssh(&dir, FAKE_SSH);
     let map: String = HOSTS.iter().map(|(h, a)| format!("{h} {a}\n")).collect();
     std::fs::write(dir.join("hosts.map"), map).unwrap();
     dir

@@ -12,7 +12,7 @@ pub mod pyenv;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
@@ -82,6 +82,22 @@ pub fn scratch(name: &str) -> PathBuf {
     std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
     std::fs::set_permissions(&script, perm).expect("chmod");
     dir
+}
+
+/// Writes `dir/bin/ssh`, an `ssh` for made-up hosts that runs here: it skips ssh's options,
+/// leaves the host in `$host` and the remote command in `$@`, then runs the shell lines `run`.
+pub fn fake_ssh(dir: &Path, run: &str) {
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).expect("bin dir");
+    let ssh = bin.join("ssh");
+    let script = format!(
+        "#!/bin/sh\nwhile [ $# -gt 0 ]; do\n  case \"$1\" in\n    -o|-p|-i) shift 2 ;;\n    \
+         -*) shift ;;\n    *) break ;;\n  esac\ndone\nhost=$1; shift\n{run}"
+    );
+    std::fs::write(&ssh, script).expect("ssh");
+    let mut perm = std::fs::metadata(&ssh).expect("meta").permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&ssh, perm).expect("chmod");
 }
 
 impl Job {
