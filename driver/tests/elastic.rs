@@ -1186,3 +1186,59 @@ fn intruders_at_the_rendezvous_are_refused_and_the_job_is_unharmed() {
     assert_eq!(steps_rerun(&lines), 0, "no reset: {err}");
     assert!(!err.contains("worker failed"), "{err}");
 }
+
+/// An elastic job of `elastic_counter` whose worker on 127.0.0.3 exits 0 at once, before it
+/// ever joins a round; discovery first lists `hosts`.
+fn exits_0_on_one_host(name: &str, hosts: &[&str], flags: &[&str], counter: &[&str]) -> Job {
+    let dir = scratch(name);
+    std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n").unwrap();
+    let worker = dir.join("worker.sh");
+    std::fs::write(
+        &worker,
+        format!(
+            "#!/bin/sh\nif [ \"$HOROVOD_HOSTNAME\" = 127.0.0.3 ]; then exit 0; fi\nexec {} \"$@\"\n",
+            example("elastic_counter")
+        ),
+    )
+    .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+    cmd.args(flags)
+        .arg("--host-discovery-script")
+        .arg(dir.join("discover.sh"))
+        .args(["--discovery-interval", "0.2", "sh"])
+        .arg(&worker)
+        .args(counter);
+    Job::spawn(dir, cmd)
+}
+
+#[test]
+fn a_new_worker_exiting_0_before_it_joins_is_finished_not_failed() {
+    let counter = &["--steps", "500", "--commit-every", "5", "--step-ms", "10"];
+    let flags = &["-np", "2", "--min-np", "1", "--max-np", "3"];
+    let mut job = exits_0_on_one_host("exit0-new", &["127.0.0.2:2"], flags, counter);
+    job.wait_step(20, 2);
+    job.set_hosts(&["127.0.0.2:2", "127.0.0.3:1"]);
+    job.wait_stderr("exited 0 before it joined a round");
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 500), 2, "the round went on as it was");
+    assert!(!err.contains("blacklisted"), "{err}");
+    assert!(!err.contains("worker failed"), "{err}");
+}
+
+#[test]
+fn a_worker_exiting_0_before_the_first_round_ends_the_job_without_blacklisting() {
+    // The worker on 127.0.0.2 waits for a first round that can't form as planned: a job one
+    // of whose workers finished can't recover, so it ends, naming both.
+    let flags = &["-np", "2", "--min-np", "1"];
+    let hosts = &["127.0.0.2:1", "127.0.0.3:1"];
+    let job = exits_0_on_one_host("exit0-first", hosts, flags, COUNTER);
+    let (code, err, _) = job.finish();
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("on 127.0.0.2 waits for a round, but worker")
+            && err.contains("on 127.0.0.3 exited 0 before it joined one"),
+        "{err}"
+    );
+    assert!(!err.contains("blacklisted"), "{err}");
+}

@@ -91,6 +91,28 @@ fn python_lines_reach_the_output_while_the_workers_run() {
     );
 }
 
+#[test]
+fn python_lines_of_an_elastic_job_reach_the_output_while_the_workers_run() {
+    // The workers never join a round: they exit 0 before it, which ends the job well.
+    let dir = stage("unbuffered-elastic");
+    std::fs::write(dir.join("hosts"), "127.0.0.1:2\n").unwrap();
+    let discover = dir.join("discover.sh").display().to_string();
+    lines_come_while_the_workers_run(
+        dir,
+        &[
+            "-np",
+            "2",
+            "--min-np",
+            "2",
+            "--host-discovery-script",
+            &discover,
+            "--start-timeout",
+            "60",
+        ],
+        2,
+    );
+}
+
 /// What `PYTHONUNBUFFERED` the worker of `-H host:1` saw, `own` being horovodrun's.
 fn seen_by_worker(name: &str, flags: &[&str], own: Option<&str>, secret: &str) -> String {
     let dir = stage(name);

@@ -557,18 +557,23 @@ impl Core {
         }
         // Every member must now join soon; one that doesn't is declared failed.
         self.expect_joins(now);
-        if self.current.iter().any(|m| {
-            self.workers
-                .get(m)
-                .is_some_and(|w| w.phase == Phase::Finished)
-        }) {
+        if let Some(done) = self.finisher() {
             let msg = format!(
-                "worker {id} on {} asked for a new round after other workers had finished \
-                 training and exited 0; the job can't both succeed and recover",
+                "worker {id} on {} asked for a new round after {done} had finished (exited 0); \
+                 the job can't both succeed and recover",
                 self.workers.get(&id).map_or("?", |w| w.host.as_str())
             );
             self.finish(out, 1, msg);
         }
+    }
+
+    /// The first worker that exited 0 (`worker N on HOST`), if one did: from then on the job
+    /// only winds down.
+    fn finisher(&self) -> Option<String> {
+        self.workers
+            .iter()
+            .find(|(_, w)| w.phase == Phase::Finished)
+            .map(|(id, w)| format!("worker {id} on {}", w.host))
     }
 
     /// A worker that completed a sync holds the committed state; the first member that stays
@@ -651,7 +656,18 @@ impl Core {
         }
         let host = w.host.clone();
         let kept = w.kept;
-        w.phase = if phase == Phase::Running && exit.success {
+        let member = self.current.contains(&id);
+        // Exit 0 finishes the worker's slot, also before it joined a round: Horovod records
+        // it as SUCCESS (`_handle_worker_exit` in `horovod/runner/elastic/driver.py`) and
+        // blacklists no host for it. A member that asked for the next round and exits 0 leaves
+        // a round that counts on it: that is a failure.
+        let finished = exit.success
+            && match phase {
+                Phase::Running => true,
+                Phase::Starting | Phase::Ready => !member,
+                Phase::Finished | Phase::Leaving | Phase::Exited => false,
+            };
+        w.phase = if finished {
             Phase::Finished
         } else {
             Phase::Exited
@@ -685,20 +701,14 @@ impl Core {
                     self.finish(out, 0, msg);
                 }
             }
+            Phase::Starting | Phase::Ready if finished => {
+                tracing::info!(
+                    worker = id,
+                    %host,
+                    "worker exited 0 before it joined a round: its slot is finished, not failed"
+                );
+            }
             Phase::Starting | Phase::Ready | Phase::Running => {
-                let finishing = self.current.iter().any(|m| {
-                    self.workers
-                        .get(m)
-                        .is_some_and(|w| w.phase == Phase::Finished)
-                });
-                if finishing {
-                    let msg = format!(
-                        "worker {id} on {host} {} after other workers had finished; the job failed",
-                        exit.description
-                    );
-                    self.finish(out, 1, msg);
-                    return;
-                }
                 tracing::warn!(worker = id, %host, exit = %exit.description, "worker failed");
                 let why = format!("worker {id} on {host} {}", exit.description);
                 self.host_failed(now, id, &host, &why, out);
@@ -735,16 +745,6 @@ impl Core {
         w.due = None;
         out.push(Action::Stop { worker: id });
         let why = format!("worker {id} on {host} stopped answering for {silent_s:.1} s (frozen?)");
-        let finishing = self.current.iter().any(|m| {
-            self.workers
-                .get(m)
-                .is_some_and(|w| w.phase == Phase::Finished)
-        });
-        if finishing {
-            let msg = format!("{why} after other workers had finished; the job failed");
-            self.finish(out, 1, msg);
-            return;
-        }
         self.host_failed(now, id, &host, &why, out);
     }
 
@@ -752,6 +752,8 @@ impl Core {
     /// not trusted. A new round is needed only when the last round lost a member; a new worker
     /// that never made it into a round leaves the running ones alone. The round's other
     /// members are told to abort (`why` says what failed) and must join the next round in time.
+    /// After a worker exited 0, a failure fails the job instead: it can't both succeed and
+    /// recover.
     fn host_failed(
         &mut self,
         now: Duration,
@@ -760,6 +762,11 @@ impl Core {
         why: &str,
         out: &mut Vec<Action>,
     ) {
+        if let Some(done) = self.finisher() {
+            let msg = format!("{why} after {done} had finished (exited 0); the job failed");
+            self.finish(out, 1, msg);
+            return;
+        }
         if self.generation == 0 {
             self.failed_early = true;
         }
@@ -964,6 +971,10 @@ impl Core {
         if self.finished {
             return;
         }
+        if self.finisher().is_some() {
+            self.wind_down(out);
+            return;
+        }
         if self.pending {
             self.plan(now, out);
         }
@@ -971,6 +982,47 @@ impl Core {
         // out get theirs started now, not at the next discovery poll.
         if !self.pending && !self.finished {
             self.prepare_change(now, out);
+        }
+    }
+
+    /// After a worker exited 0 the job starts no worker and forms no round: as Horovod's
+    /// registry stops the job once a worker succeeded and every other one has recorded its
+    /// state (`_on_workers_recorded` in `horovod/runner/elastic/registration.py`), it ends once
+    /// no worker is starting or training. Then it succeeded unless a worker waits for a round:
+    /// that one can't train, since a round without the finished slots would be a recovery.
+    fn wind_down(&mut self, out: &mut Vec<Action>) {
+        let busy = self
+            .workers
+            .values()
+            .any(|w| matches!(w.phase, Phase::Starting | Phase::Running));
+        if busy {
+            return;
+        }
+        let Some(done) = self.finisher() else {
+            return;
+        };
+        let waiting = self
+            .workers
+            .iter()
+            .find(|(_, w)| w.phase == Phase::Ready)
+            .map(|(id, w)| format!("worker {id} on {}", w.host));
+        match waiting {
+            Some(w) => {
+                let msg = format!(
+                    "{w} waits for a round, but {done} exited 0 before it joined one; the job \
+                     can't both succeed and recover"
+                );
+                self.finish(out, 1, msg);
+            }
+            None => {
+                let n = self
+                    .workers
+                    .iter()
+                    .filter(|(id, w)| w.phase == Phase::Finished && !self.current.contains(id))
+                    .count();
+                let msg = format!("every worker exited 0 ({n} before joining a round)");
+                self.finish(out, 0, msg);
+            }
         }
     }
 
@@ -2170,6 +2222,95 @@ mod tests {
         assert!(
             matches!(&a[..], [Action::Finish { code: 1, .. }]),
             "a failure after another finished is not success: {a:?}"
+        );
+    }
+
+    fn exited(core: &mut Core, at: u64, worker: WorkerId, exit: ExitInfo) -> Vec<Action> {
+        core.handle(secs(at), Input::Exited { worker, exit })
+    }
+
+    /// Neither a blacklisting nor a worker stopped or started for it.
+    fn no_failure(core: &Core, a: &[Action]) {
+        assert!(
+            !a.iter()
+                .any(|x| matches!(x, Action::Stop { .. } | Action::Start { .. })),
+            "{a:?}"
+        );
+        assert!(core.snapshot(secs(60)).blacklisted.is_empty());
+    }
+
+    #[test]
+    fn a_worker_that_exits_0_before_joining_a_round_finishes_its_slot_and_is_no_failure() {
+        // Both exit 0 without ever joining (a program that never calls init): the job succeeded.
+        // A failure after the first one's exit fails the job, still blacklisting nothing.
+        for (second, code, says) in [
+            (ok(), 0, "every worker exited 0 (2 before joining a round)"),
+            (
+                killed(),
+                1,
+                "after worker 1 on b had finished (exited 0); the job failed",
+            ),
+        ] {
+            let mut core = Core::new(cfg(2, 1, 2));
+            let ids: Vec<WorkerId> = started(&core.handle(secs(0), hosts(&[("a", 1), ("b", 1)])))
+                .into_iter()
+                .map(|(w, _)| w)
+                .collect();
+            let a = exited(&mut core, 1, ids[1], ok());
+            assert!(
+                a.is_empty(),
+                "the slot is finished: nothing to do yet: {a:?}"
+            );
+            no_failure(&core, &a);
+            let a = core.handle(secs(10), Input::Tick);
+            assert!(a.is_empty(), "no worker is started in its place: {a:?}");
+            let a = exited(&mut core, 12, ids[0], second);
+            assert!(
+                matches!(&a[..], [Action::Finish { code: c, message }] if *c == code && message.contains(says)),
+                "{a:?}"
+            );
+            no_failure(&core, &a);
+        }
+    }
+
+    #[test]
+    fn a_worker_waiting_for_a_round_after_another_exited_0_before_joining_ends_the_job() {
+        let mut core = Core::new(cfg(2, 1, 2));
+        let ids: Vec<WorkerId> = started(&core.handle(secs(0), hosts(&[("a", 1), ("b", 1)])))
+            .into_iter()
+            .map(|(w, _)| w)
+            .collect();
+        assert!(core.handle(secs(1), Input::Registered(ids[0])).is_empty());
+        let a = exited(&mut core, 2, ids[1], ok());
+        // Horovod stops the job once every worker has recorded its state; the one waiting
+        // can't train without a recovery, which a job that succeeded can't have.
+        let msg = "worker 0 on a waits for a round, but worker 1 on b exited 0 before it \
+                   joined one; the job can't both succeed and recover";
+        assert!(
+            matches!(&a[..], [Action::Finish { code: 1, message }] if message == msg),
+            "{a:?}"
+        );
+        no_failure(&core, &a);
+    }
+
+    #[test]
+    fn a_new_worker_that_exits_0_before_joining_leaves_the_running_round_alone() {
+        let (mut core, ids) = running(cfg(1, 1, 2), &[("a", 1)]);
+        let a = core.handle(secs(5), hosts(&[("a", 1), ("b", 1)]));
+        let new: Vec<WorkerId> = started(&a).into_iter().map(|(w, _)| w).collect();
+        assert_eq!(new.len(), 1, "{a:?}");
+        let a = exited(&mut core, 6, new[0], ok());
+        no_failure(&core, &a);
+        assert!(a.is_empty(), "{a:?}");
+        let a = core.handle(secs(20), hosts(&[("a", 1), ("b", 2)]));
+        assert!(
+            a.is_empty(),
+            "a job that has a finished slot grows no more: {a:?}"
+        );
+        let a = exited(&mut core, 30, ids[0], ok());
+        assert!(
+            matches!(&a[..], [Action::Finish { code: 0, message }] if message.contains("all 1 workers of round 1")),
+            "{a:?}"
         );
     }
 
