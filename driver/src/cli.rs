@@ -74,7 +74,10 @@ pub struct Args {
     #[arg(short = 'v', long = "version", action = clap::ArgAction::Version)]
     pub version: Option<bool>,
 
-    /// Total number of training processes (`-np`).
+    /// Total number of training processes (`-np`); by default every slot of the hosts (one
+    /// process here when no host is named). In an LSF job (`LSB_JOBID` set), every slot of the
+    /// job, whose hosts (`LSB_MCPU_HOSTS`, else `LSB_HOSTS`) are used when no -H, --hostfile or
+    /// discovery names any.
     #[arg(long = "num-proc", value_name = "N")]
     pub np: Option<usize>,
 
@@ -102,7 +105,8 @@ pub struct Args {
     #[arg(long = "mpi", conflicts_with = "jsrun")]
     pub mpi: bool,
 
-    /// Refused: hvd does not launch through jsrun (LSF); use -H/--hostfile or --launcher agent.
+    /// Refused: hvd does not launch through jsrun; in an LSF job it reads the job's hosts from
+    /// LSF and starts the workers over ssh (or through --launcher agent).
     #[arg(long = "jsrun")]
     pub jsrun: bool,
 
@@ -487,8 +491,9 @@ impl Args {
             ),
             (
                 self.jsrun,
-                "--jsrun: hvd does not launch through jsrun (LSF); name the hosts with -H or \
-                 --hostfile, or run an hvd-agent on each and use --launcher agent",
+                "--jsrun: hvd does not launch through jsrun; in an LSF job horovodrun reads the \
+                 job's hosts from LSB_MCPU_HOSTS and starts the workers over ssh, or run an \
+                 hvd-agent on each host and use --launcher agent",
             ),
             (
                 self.mpi_args.is_some(),

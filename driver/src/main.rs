@@ -6,6 +6,7 @@ mod elastic;
 mod horovod;
 mod hosts;
 mod job;
+mod lsf;
 mod metrics;
 mod rendezvous;
 mod status;
@@ -188,8 +189,13 @@ fn heartbeat_timeout(args: &cli::Args) -> anyhow::Result<Duration> {
 /// Turns the flags of an elastic job into its spec; everything is checked before anything starts.
 fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
     use hvd_discovery::CooldownRange;
+    let lsf = lsf_allocation(
+        args,
+        args.discovery.is_none() && args.discovery_script.is_none(),
+    )?;
     let np = args
         .np
+        .or(lsf.as_deref().map(lsf::total_slots))
         .or(args.min_np)
         .context("elastic mode needs -np (the slots needed before training starts)")?;
     let min_np = args.min_np.filter(|&n| n > 0).unwrap_or(np);
@@ -202,7 +208,7 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
             tracing::info!(selector = %sel.label_selector, namespace = ?sel.namespace, "hosts from Kubernetes pods");
             elastic::run::Source::Kubernetes(sel)
         }
-        None => discovery_source(args)?,
+        None => discovery_source(args, lsf)?,
     };
     let cooldown = match args.cooldown_range.as_deref() {
         None => None,
@@ -358,8 +364,12 @@ fn launch_mode(args: &cli::Args, secret: Option<String>) -> anyhow::Result<Launc
     }
 }
 
-/// The script or fixed host source of an elastic job.
-fn discovery_source(args: &cli::Args) -> anyhow::Result<elastic::run::Source> {
+/// The script or fixed host source of an elastic job; `lsf`, the LSF job's hosts, where no
+/// flag names any.
+fn discovery_source(
+    args: &cli::Args,
+    lsf: Option<Vec<HostSpec>>,
+) -> anyhow::Result<elastic::run::Source> {
     use hvd_discovery::ScriptDiscovery;
     Ok(
         match (&args.discovery_script, &args.hosts, &args.hostfile) {
@@ -377,11 +387,12 @@ fn discovery_source(args: &cli::Args) -> anyhow::Result<elastic::run::Source> {
                     .with_context(|| format!("reading hostfile {}", path.display()))?;
                 elastic::run::Source::Fixed(parse_hostfile(&path.display().to_string(), &text)?)
             }
-            (None, None, None) => {
-                bail!(
+            (None, None, None) => match lsf {
+                Some(hosts) => elastic::run::Source::Fixed(hosts),
+                None => bail!(
                     "elastic mode needs --host-discovery-script, --discovery kubernetes, -H or --hostfile"
-                )
-            }
+                ),
+            },
         },
     )
 }
@@ -553,20 +564,25 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
              --host-discovery-script or --discovery"
         );
     }
-    let hosts: Vec<HostSpec> = match (&args.hosts, &args.hostfile) {
-        (Some(list), _) => parse_host_list(list)?,
-        (None, Some(path)) => {
+    let lsf = lsf_allocation(args, true)?;
+    let hosts: Vec<HostSpec> = match (&args.hosts, &args.hostfile, &lsf) {
+        (Some(list), _, _) => parse_host_list(list)?,
+        (None, Some(path), _) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading hostfile {}", path.display()))?;
             parse_hostfile(&path.display().to_string(), &text)?
         }
-        (None, None) => vec![HostSpec {
+        (None, None, Some(job)) => job.clone(),
+        (None, None, None) => vec![HostSpec {
             host: "localhost".into(),
             slots: args.np.unwrap_or(1),
         }],
     };
     let available: usize = hosts.iter().map(|h| h.slots).sum();
-    let np = args.np.unwrap_or(available);
+    let np = args
+        .np
+        .or(lsf.as_deref().map(lsf::total_slots))
+        .unwrap_or(available);
     let slots = assign_static(
         &hosts
             .iter()
@@ -629,6 +645,25 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
         launch: launch_mode(args, std::env::var(hvd_agent::ENV_AGENT_SECRET).ok())?,
         heartbeat_timeout: heartbeat_timeout(args)?,
     })
+}
+
+/// The hosts of the LSF job horovodrun runs in (see [`lsf`]), where they matter: for the hosts
+/// when no `-H` or `--hostfile` names them (and, `no_discovery`, no discovery), and for
+/// `-np`'s default, which in an LSF job is every slot of the job, as with Horovod.
+fn lsf_allocation(args: &cli::Args, no_discovery: bool) -> anyhow::Result<Option<Vec<HostSpec>>> {
+    let names_hosts = args.hosts.is_some() || args.hostfile.is_some() || !no_discovery;
+    if args.np.is_some() && names_hosts {
+        return Ok(None);
+    }
+    let hosts = lsf::hosts(|k| std::env::var(k).ok())?;
+    if let Some(h) = &hosts {
+        let list: Vec<String> = h
+            .iter()
+            .map(|h| format!("{}:{}", h.host, h.slots))
+            .collect();
+        tracing::info!(hosts = %list.join(","), "an LSF job; LSF lists these hosts");
+    }
+    Ok(hosts)
 }
 
 /// The first non-loopback IPv4 address `own` (this machine's host name) resolves to here,

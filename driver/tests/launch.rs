@@ -365,6 +365,60 @@ fn bad_flags_are_usage_errors() {
     assert!(text(&out.stderr).contains("bad -H entry '127.0.0.2:0'"));
 }
 
+/// In an LSF job (`LSB_JOBID` set) with no -H, --hostfile or -np, the hosts and -np are the
+/// job's, from `LSB_MCPU_HOSTS`; a malformed value is a usage error that names it.
+#[test]
+fn an_lsf_job_runs_on_the_hosts_lsf_gave_it() {
+    let p = probe();
+    let probe_args = [p.as_str(), "--lines", "1"];
+    let lsf = |hosts: &str, args: &[&str]| {
+        horovodrun()
+            .args(args)
+            .env("LSB_JOBID", "4242")
+            .env("LSB_MCPU_HOSTS", hosts)
+            .env_remove("LSB_HOSTS")
+            .env_remove("CSM_ALLOCATION_ID")
+            .output()
+            .expect("run horovodrun")
+    };
+    let out = lsf("127.0.0.1 2", &probe_args);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_probe_lines(&stdout, &stderr, 2, 1);
+    let topo = topologies(&stdout);
+    assert_eq!(topo.len(), 2, "{stdout}");
+    for v in &topo {
+        assert_eq!(
+            (v["size"].as_u64(), v["local_size"].as_u64()),
+            (Some(2), Some(2))
+        );
+        assert_eq!(v["hostname"], "127.0.0.1");
+    }
+
+    // Elastic too: the job's hosts are a fixed host set, its slots -np.
+    let counter = support::example("elastic_counter");
+    let args = ["--min-np", "1", &counter, "--steps", "20", "--step-ms", "5"];
+    let out = lsf("127.0.0.2 2", &args);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("elastic job np=2 min_np=1 max_np=2"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("all 2 workers of round 1 finished training"),
+        "{stderr}"
+    );
+
+    let out = lsf("127.0.0.1 two", &probe_args);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.contains("LSB_MCPU_HOSTS='127.0.0.1 two': the slot count 'two'"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn workers_that_never_register_hit_the_start_timeout() {
     let t = Instant::now();
