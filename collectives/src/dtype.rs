@@ -87,6 +87,10 @@ pub enum ReduceOp {
     Max = 4,
     /// Element-wise product.
     Product = 5,
+    /// Adaptive summation (Maleki et al., "Scaling Distributed Training with Adaptive
+    /// Summation"): pairs of ranks combine as `(1 − a·b/2‖a‖²)·a + (1 − a·b/2‖b‖²)·b`, per
+    /// tensor, up a tree over the ranks. Floating-point types only (the `adasum` module).
+    Adasum = 6,
 }
 
 impl ReduceOp {
@@ -98,6 +102,7 @@ impl ReduceOp {
             3 => Self::Min,
             4 => Self::Max,
             5 => Self::Product,
+            6 => Self::Adasum,
             _ => return None,
         })
     }
@@ -119,6 +124,7 @@ impl fmt::Display for ReduceOp {
             Self::Min => "min",
             Self::Max => "max",
             Self::Product => "product",
+            Self::Adasum => "adasum",
         })
     }
 }
@@ -130,22 +136,34 @@ pub trait Element: bytemuck::Pod + Send + Sync + PartialEq + fmt::Debug + 'stati
     /// The wire tag of this type.
     const DTYPE: DType;
 
-    /// `acc[i] = acc[i] op src[i]` for every `i`; `op` is never [`ReduceOp::Average`].
+    /// Whether this is a floating-point type (the types Adasum combines).
+    const FLOAT: bool;
+
+    /// `acc[i] = acc[i] op src[i]` for every `i`; `op` is never [`ReduceOp::Average`] or
+    /// [`ReduceOp::Adasum`], which is no element-wise combination (the communicator routes it
+    /// to its own algorithm before any kernel runs).
     fn reduce_into(acc: &mut [Self], src: &[Self], op: ReduceOp);
 
     /// Divides every element by `n` (the last step of an average).
     fn divide(buf: &mut [Self], n: usize);
+
+    /// The value as an `f64` (Adasum's dot products accumulate in double precision).
+    fn to_f64(self) -> f64;
+
+    /// The nearest value of this type to `v`.
+    fn from_f64(v: f64) -> Self;
 }
 
 macro_rules! int_element {
     ($t:ty, $d:expr) => {
         impl Element for $t {
             const DTYPE: DType = $d;
+            const FLOAT: bool = false;
 
             fn reduce_into(acc: &mut [Self], src: &[Self], op: ReduceOp) {
                 let pairs = acc.iter_mut().zip(src);
                 match op {
-                    ReduceOp::Sum | ReduceOp::Average => {
+                    ReduceOp::Sum | ReduceOp::Average | ReduceOp::Adasum => {
                         pairs.for_each(|(a, b)| *a = a.wrapping_add(*b))
                     }
                     ReduceOp::Min => pairs.for_each(|(a, b)| *a = (*a).min(*b)),
@@ -160,6 +178,14 @@ macro_rules! int_element {
                 let n = <$t>::try_from(n).unwrap_or(<$t>::MAX);
                 buf.iter_mut().for_each(|v| *v /= n);
             }
+
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
         }
     };
 }
@@ -172,11 +198,14 @@ macro_rules! float_element {
     ($t:ty, $d:expr) => {
         impl Element for $t {
             const DTYPE: DType = $d;
+            const FLOAT: bool = true;
 
             fn reduce_into(acc: &mut [Self], src: &[Self], op: ReduceOp) {
                 let pairs = acc.iter_mut().zip(src);
                 match op {
-                    ReduceOp::Sum | ReduceOp::Average => pairs.for_each(|(a, b)| *a += *b),
+                    ReduceOp::Sum | ReduceOp::Average | ReduceOp::Adasum => {
+                        pairs.for_each(|(a, b)| *a += *b)
+                    }
                     ReduceOp::Min => pairs.for_each(|(a, b)| *a = a.min(*b)),
                     ReduceOp::Max => pairs.for_each(|(a, b)| *a = a.max(*b)),
                     ReduceOp::Product => pairs.for_each(|(a, b)| *a *= *b),
@@ -186,6 +215,14 @@ macro_rules! float_element {
             fn divide(buf: &mut [Self], n: usize) {
                 let n = n as $t;
                 buf.iter_mut().for_each(|v| *v /= n);
+            }
+
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+
+            fn from_f64(v: f64) -> Self {
+                v as $t
             }
         }
     };
@@ -198,10 +235,11 @@ macro_rules! half_element {
     ($t:ty, $d:expr) => {
         impl Element for $t {
             const DTYPE: DType = $d;
+            const FLOAT: bool = true;
 
             fn reduce_into(acc: &mut [Self], src: &[Self], op: ReduceOp) {
                 let f: fn(f32, f32) -> f32 = match op {
-                    ReduceOp::Sum | ReduceOp::Average => |a, b| a + b,
+                    ReduceOp::Sum | ReduceOp::Average | ReduceOp::Adasum => |a, b| a + b,
                     ReduceOp::Min => f32::min,
                     ReduceOp::Max => f32::max,
                     ReduceOp::Product => |a, b| a * b,
@@ -215,6 +253,14 @@ macro_rules! half_element {
                 let n = n as f32;
                 buf.iter_mut()
                     .for_each(|v| *v = <$t>::from_f32(v.to_f32() / n));
+            }
+
+            fn to_f64(self) -> f64 {
+                self.to_f64()
+            }
+
+            fn from_f64(v: f64) -> Self {
+                <$t>::from_f64(v)
             }
         }
     };
@@ -247,6 +293,7 @@ mod tests {
             ReduceOp::Min,
             ReduceOp::Max,
             ReduceOp::Product,
+            ReduceOp::Adasum,
         ] {
             assert_eq!(ReduceOp::from_tag(op as u8), Some(op));
         }

@@ -1461,8 +1461,9 @@ impl Worker {
             return Ok(());
         }
         let dtype = batch[0].tensor.dtype();
-        if self.comm.cma.is_some() {
-            // Ranks of one host reduce the tensors where they lie: no fusion copy.
+        if self.comm.cma.is_some() || op == ReduceOp::Adasum {
+            // Ranks of one host reduce the tensors where they lie: no fusion copy. Adasum
+            // combines tensor by tensor, so it takes the tensors as a group too.
             group_in_place(&mut self.comm, dtype, op, &mut batch)?;
             self.trace(&batch, "ALLREDUCE_FUSED_IN_PLACE", start);
             for r in batch {

@@ -17,6 +17,7 @@
 //!   into an error everywhere;
 //! - `pipeline`: the segment engine of the ring algorithms;
 //! - `comm`, `ops`: the communicator and its collectives;
+//! - `adasum`: Horovod's adaptive summation, an allreduce op of its own;
 //! - `engine`: the background engine (named async ops, fusion, the stall check);
 //! - `autotune`: the engine's knobs tuned on the running job by Bayesian optimisation.
 //!
@@ -30,6 +31,7 @@
 //! # Ok::<(), hvd_collectives::CommError>(())
 //! ```
 
+mod adasum;
 pub mod autotune;
 mod buffer;
 mod cma;

@@ -97,10 +97,14 @@ impl Communicator {
     /// [`CommError::Mismatch`] when ranks disagree on length, type or op (on every rank); a
     /// transport error when a peer fails, after which the communicator must be rebuilt.
     pub fn allreduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        if op == ReduceOp::Adasum {
+            return self.adasum(&mut [buf]);
+        }
         self.reduce(Kind::Allreduce, buf, op, 1, true)
     }
 
-    /// Allreduces several buffers of one type as a single fused operation.
+    /// Allreduces several buffers of one type as a single fused operation (with
+    /// [`ReduceOp::Adasum`], each buffer combines as a tensor of its own).
     ///
     /// # Errors
     /// As [`Communicator::allreduce`]; ranks must pass the same number of buffers.
@@ -109,6 +113,9 @@ impl Communicator {
         bufs: &mut [&mut [T]],
         op: ReduceOp,
     ) -> Result<()> {
+        if op == ReduceOp::Adasum {
+            return self.adasum(bufs);
+        }
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         if self.size() > 1
             && self.cma.is_some()
@@ -152,6 +159,13 @@ impl Communicator {
         tensors: usize,
         allgather: bool,
     ) -> Result<()> {
+        if op == ReduceOp::Adasum {
+            // Allreduce routes Adasum to its own algorithm; a reducescatter has no Adasum.
+            return Err(CommError::InvalidArgument {
+                op: kind.name(),
+                detail: "Adasum is an allreduce only; use sum or average".into(),
+            });
+        }
         let seq = self.begin()?;
         let (n, r) = (self.size(), self.rank());
         if n == 1 {

@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::thread;
 use std::time::Duration;
 
-use hvd_collectives::{CommConfig, Communicator, Element, ReduceOp, bf16, f16};
+use hvd_collectives::{CommConfig, Communicator, Element, ReduceOp};
 
 /// Runs `f` on every rank of a fresh world of `n` and returns the results by rank.
 pub fn world<R: Send>(n: usize, f: impl Fn(&mut Communicator) -> R + Sync) -> Vec<R> {
@@ -60,39 +60,11 @@ pub fn world_on<R: Send>(
     })
 }
 
-/// Conversions the tests use to build inputs and references in f64.
-pub trait TestElem: Element + Copy {
-    fn from_f64(v: f64) -> Self;
-    fn to_f64(self) -> f64;
-}
+/// The element types the tests build inputs and references for (in f64, through
+/// [`Element::to_f64`] and [`Element::from_f64`]).
+pub trait TestElem: Element + Copy {}
 
-macro_rules! prim {
-    ($($t:ty),*) => {$(
-        impl TestElem for $t {
-            fn from_f64(v: f64) -> Self { v as $t }
-            fn to_f64(self) -> f64 { self as f64 }
-        }
-    )*};
-}
-prim!(u8, i32, i64, f32, f64);
-
-impl TestElem for f16 {
-    fn from_f64(v: f64) -> Self {
-        f16::from_f64(v)
-    }
-    fn to_f64(self) -> f64 {
-        f16::to_f64(self)
-    }
-}
-
-impl TestElem for bf16 {
-    fn from_f64(v: f64) -> Self {
-        bf16::from_f64(v)
-    }
-    fn to_f64(self) -> f64 {
-        bf16::to_f64(self)
-    }
-}
+impl<T: Element + Copy> TestElem for T {}
 
 /// What `op` makes of every rank's value `vals` (in a world of `n`), computed in f64 and
 /// given in `T`: an average of an integer type truncates, as the collectives do.
@@ -110,6 +82,7 @@ pub fn reduced<T: TestElem>(vals: impl Iterator<Item = f64>, n: usize, op: Reduc
         ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
         ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
         ReduceOp::Product => vals.product(),
+        ReduceOp::Adasum => panic!("Adasum is no element-wise op: tests/adasum.rs checks it"),
     };
     T::from_f64(v)
 }
