@@ -74,10 +74,10 @@ pub struct Args {
     #[arg(short = 'v', long = "version", action = clap::ArgAction::Version)]
     pub version: Option<bool>,
 
-    /// Total number of training processes (`-np`); by default every slot of the hosts (one
-    /// process here when no host is named). In an LSF job (`LSB_JOBID` set), every slot of the
-    /// job, whose hosts (`LSB_MCPU_HOSTS`, else `LSB_HOSTS`) are used when no -H, --hostfile or
-    /// discovery names any.
+    /// Total number of training processes (`-np`); a static job defaults to every slot of its
+    /// hosts (one process here when no host is named), an elastic one to --min-np. In an LSF
+    /// job (`LSB_JOBID` set) it defaults to every slot of the job, whose hosts (`LSB_MCPU_HOSTS`,
+    /// else `LSB_HOSTS`) are used when no -H, --hostfile or discovery names any.
     #[arg(long = "num-proc", value_name = "N")]
     pub np: Option<usize>,
 
