@@ -12,7 +12,7 @@ use crate::error::{CommError, Result};
 use crate::link::{AbortHandle, LinkFailure, Shared, discard, read_full, write_full};
 use crate::mailbox::{Mailbox, Remote};
 use crate::pipeline::{self, Mode, Recv};
-use crate::wire::{DESCRIPTOR_LEN, Descriptor};
+use crate::wire::{DESCRIPTOR_LEN, Descriptor, Kind};
 
 /// One rank's end of a group of ranks connected all-to-all, running collectives.
 ///
@@ -787,6 +787,13 @@ impl Communicator {
         }
         if let Some(j) = descs.iter().position(|d| d.invalid) {
             return Err(CommError::RemoteInvalid { rank: j, op });
+        }
+        let joined: Vec<usize> = (0..n).filter(|&j| descs[j].kind == Kind::Join).collect();
+        if !joined.is_empty() && joined.len() < n {
+            return Err(CommError::Joined {
+                seq: descs[0].seq,
+                ranks: joined,
+            });
         }
         for j in 1..n {
             if !descs[j].agrees_with(&descs[0]) {

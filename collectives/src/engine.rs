@@ -1346,7 +1346,15 @@ impl Worker {
         // The announcements are small: the flat path is the fast one for them.
         let hier = self.comm.hier_allgather;
         self.comm.hier_allgather = false;
-        let all = self.comm.allgather(&mine.encode(), 1);
+        let mut all = self.comm.allgather(&mine.encode(), 1);
+        // A rank without an engine joined: it starts its engine now, whose first gather
+        // meets the next one. Each rank joins that way at most once.
+        for _ in 1..n {
+            if !matches!(all, Err(CommError::Joined { .. })) {
+                break;
+            }
+            all = self.comm.allgather(&mine.encode(), 1);
+        }
         self.comm.hier_allgather = hier;
         let all = all?;
         let mut out = Vec::with_capacity(n);

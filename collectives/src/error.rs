@@ -27,6 +27,16 @@ pub enum CommError {
         /// What `rank_b` called.
         desc_b: String,
     },
+    /// The call met ranks that called `join` (no more data) instead; on every rank, before any
+    /// data moved. A rank that did not join runs its call again through a background engine,
+    /// which takes the joined ranks' part (zeros); the joined ranks join through theirs.
+    #[error("call #{seq} met ranks {ranks:?}, which joined (they have no more data)")]
+    Joined {
+        /// Position of the call in this communicator's sequence of collectives.
+        seq: u64,
+        /// The ranks that called `join`.
+        ranks: Vec<usize>,
+    },
     /// The connection to a peer closed or failed during a collective.
     #[error("lost connection to rank {rank} during {op}: {source}")]
     PeerLost {
@@ -111,7 +121,10 @@ impl CommError {
     pub fn is_fatal(&self) -> bool {
         !matches!(
             self,
-            Self::Mismatch { .. } | Self::InvalidArgument { .. } | Self::RemoteInvalid { .. }
+            Self::Mismatch { .. }
+                | Self::Joined { .. }
+                | Self::InvalidArgument { .. }
+                | Self::RemoteInvalid { .. }
         )
     }
 
@@ -119,6 +132,7 @@ impl CommError {
     pub fn metric_label(&self) -> &'static str {
         match self {
             Self::Mismatch { .. } => "mismatch",
+            Self::Joined { .. } => "joined",
             Self::PeerLost { .. } => "peer_lost",
             Self::Timeout { .. } => "timeout",
             Self::Aborted { .. } => "aborted",

@@ -914,6 +914,41 @@ impl Communicator {
         Ok((out, counts))
     }
 
+    /// Horovod's `join` on a communicator no engine drives: this rank has no more data.
+    /// Returns the last rank when every rank joined at this same call.
+    ///
+    /// # Errors
+    /// [`CommError::Joined`] on every rank when some ranks still run other calls: they run
+    /// theirs again through a background engine, and the joined ranks join through theirs,
+    /// taking part in the others' allreduces with zeros. A transport error when a peer fails.
+    pub fn join(&mut self) -> Result<usize> {
+        let seq = self.begin()?;
+        let n = self.size();
+        if n == 1 {
+            return Ok(0);
+        }
+        let mine = Descriptor {
+            kind: Kind::Join,
+            dtype: None,
+            op: None,
+            root: 0,
+            seq,
+            count: 0,
+            row_len: 1,
+            payload_len: 0,
+            invalid: false,
+        };
+        // The others' calls may carry inline payloads: read past them.
+        self.open(
+            mine,
+            Ok(()),
+            |_| (mine, &[]),
+            |_, d, rd| crate::link::discard(rd, d.payload_len),
+        )?;
+        // Everyone joined at once: the last of them is the highest rank.
+        Ok(n - 1)
+    }
+
     /// Returns once every rank has called it.
     ///
     /// # Errors

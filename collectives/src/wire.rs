@@ -29,6 +29,9 @@ pub enum Kind {
     Reducescatter = 5,
     /// Barrier.
     Barrier = 6,
+    /// Horovod's `join` by a rank without a running engine: it has no more data. Met by other
+    /// calls, it ends them with [`crate::CommError::Joined`] on every rank.
+    Join = 7,
 }
 
 impl Kind {
@@ -40,6 +43,7 @@ impl Kind {
             4 => Self::Alltoall,
             5 => Self::Reducescatter,
             6 => Self::Barrier,
+            7 => Self::Join,
             _ => return None,
         })
     }
@@ -53,6 +57,7 @@ impl Kind {
             Self::Alltoall => "alltoall",
             Self::Reducescatter => "reducescatter",
             Self::Barrier => "barrier",
+            Self::Join => "join",
         }
     }
 
@@ -155,6 +160,7 @@ impl fmt::Display for Descriptor {
         let dtype = self.dtype.map_or("-", |d| d.name());
         match self.kind {
             Kind::Barrier => f.write_str("barrier"),
+            Kind::Join => f.write_str("join"),
             Kind::Allreduce if self.row_len > 1 => write!(
                 f,
                 "grouped_allreduce({} tensors, {dtype}[{}] in all, {})",
@@ -246,9 +252,9 @@ mod tests {
 
     fn any_descriptor() -> impl Strategy<Value = Descriptor> {
         (
-            1u8..=6,
+            1u8..=7,
             0u8..=7,
-            0u8..=5,
+            0u8..=6,
             any::<(u32, u64, u64, u64, u64, bool)>(),
         )
             .prop_map(

@@ -97,12 +97,19 @@ impl Error {
             Self::Comm(e) => !matches!(
                 e,
                 CommError::Mismatch { .. }
+                    | CommError::Joined { .. }
                     | CommError::InvalidArgument { .. }
                     | CommError::RemoteInvalid { .. }
             ),
             Self::MembershipChanging => true,
             _ => false,
         }
+    }
+
+    /// Whether a call met ranks that joined (Horovod's `join`) while no engine ran here: run
+    /// it again through a background engine, which takes their part.
+    pub fn met_joined_ranks(&self) -> bool {
+        matches!(self, Self::Comm(CommError::Joined { .. }))
     }
 }
 

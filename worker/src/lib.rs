@@ -774,6 +774,21 @@ pub fn join() -> Result<usize> {
     Ok(last)
 }
 
+/// [`join`] on a rank whose engine does not run: returns the last rank when every rank
+/// joined at this same call.
+///
+/// # Errors
+/// [`Error::EngineActive`] while an engine runs; an error for which
+/// [`Error::met_joined_ranks`] holds when other ranks still run: start an engine and
+/// [`join`] through it (they run their calls again through theirs).
+pub fn join_without_engine() -> Result<usize> {
+    let last = with_communicator(Communicator::join)?;
+    if let Some(c) = context().as_mut() {
+        c.sync_seq = 0;
+    }
+    Ok(last)
+}
+
 /// Reduces `buf` across all ranks in place. See [`Communicator::allreduce`].
 ///
 /// # Errors
