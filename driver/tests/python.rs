@@ -84,6 +84,52 @@ fn sync_batch_norm_normalizes_over_the_union_of_the_batches() {
     passes_on("sync_batch_norm.py", "sync_batch_norm", &[1, 2, 3]);
 }
 
+/// `op=hvd.Adasum` against a NumPy reference of the same recursion, on world sizes that are
+/// powers of two and others (an elastic world shrinks to 3), and on ranks spread over hosts.
+#[test]
+fn adasum_matches_its_numpy_reference_on_2_to_8_ranks() {
+    passes_on("adasum.py", "adasum", &[1, 2, 3, 4, 5, 8]);
+    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args(["-np", "3", "-H", "127.0.0.2:1,127.0.0.3:2"])
+        .arg(python())
+        .arg(root().join("python/tests/adasum.py"))
+        .output()
+        .expect("horovodrun");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(text.matches("adasum ok: rank").count(), 3, "{text}");
+}
+
+/// `hvd.join()` while the other ranks train with synchronous ops only, with asynchronous
+/// ones while the joining rank never started its engine, on one host and over TCP.
+#[test]
+fn join_works_while_other_ranks_train_with_synchronous_or_asynchronous_ops() {
+    for mode in ["sync", "async"] {
+        for hosts in ["127.0.0.1:3", "127.0.0.2:1,127.0.0.3:2"] {
+            let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+                .args(["-np", "3", "-H", hosts])
+                .arg(python())
+                .arg(root().join("python/tests/join.py"))
+                .args(["--mode", mode])
+                .output()
+                .expect("horovodrun");
+            let text = String::from_utf8_lossy(&out.stdout);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{mode} on {hosts}:\n{text}\n{err}");
+            for rank in 0..3 {
+                assert!(
+                    text.contains(&format!("join ok: rank {rank} of 3")),
+                    "{mode} on {hosts}, rank {rank}:\n{text}\n{err}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn a_script_run_without_horovodrun_is_a_world_of_one() {
     let out = Command::new(python())

@@ -15,7 +15,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use memory::{Borrowed, DType, GatherError, Lent, Region};
+use memory::{Borrowed, DType, GatherError, Lent, Produced, Region};
 
 create_exception!(
     _hvd,
@@ -46,9 +46,10 @@ fn op_from(name: &str) -> PyResult<ReduceOp> {
         "min" => ReduceOp::Min,
         "max" => ReduceOp::Max,
         "product" => ReduceOp::Product,
+        "adasum" => ReduceOp::Adasum,
         other => {
             return Err(PyValueError::new_err(format!(
-                "unknown reduction '{other}': expected sum, average, min, max or product"
+                "unknown reduction '{other}': expected sum, average, min, max, product or adasum"
             )));
         }
     })
@@ -94,8 +95,23 @@ fn topology() -> PyResult<(usize, usize, usize, usize, usize, usize, bool)> {
 fn allreduce_(py: Python<'_>, address: usize, count: usize, dtype: &str, op: &str) -> PyResult<()> {
     let op = op_from(op)?;
     let region = Region::new(address, count, DType::parse(dtype)?)?;
-    py.detach(|| region.with_mut(|buf| buf.allreduce(op)))
-        .map_err(raise)
+    world_call(py, || Ok(region.with_mut(|buf| buf.allreduce(op))?))
+}
+
+/// Runs a synchronous collective. When it meets ranks that joined (Horovod's `join`) while
+/// no engine runs here, the engine starts and the call runs again through it, where the
+/// joined ranks take part with zeros.
+fn world_call<R: Send>(
+    py: Python<'_>,
+    call: impl Fn() -> Result<R, GatherError> + Sync,
+) -> PyResult<R> {
+    match py.detach(&call) {
+        Err(GatherError::Hvd(e)) if e.met_joined_ranks() => {
+            submitter()?;
+            py.detach(&call).map_err(gather_error)
+        }
+        done => done.map_err(gather_error),
+    }
 }
 
 /// Copies the `count` elements of `dtype` at `address` from rank `root` to every rank.
@@ -108,8 +124,7 @@ fn broadcast_(
     root: usize,
 ) -> PyResult<()> {
     let region = Region::new(address, count, DType::parse(dtype)?)?;
-    py.detach(|| region.with_mut(|buf| buf.broadcast(root)))
-        .map_err(raise)
+    world_call(py, || Ok(region.with_mut(|buf| buf.broadcast(root))?))
 }
 
 /// The background engine, started by the first asynchronous op: ops are matched across
@@ -290,6 +305,188 @@ fn broadcast_async_(
     })
 }
 
+/// An op the engine runs into a buffer of its own, waited for once.
+trait Waiting: Send {
+    fn poll(&mut self) -> bool;
+    fn wait(self: Box<Self>) -> Result<Box<dyn Produced>, Error>;
+}
+
+impl<T: hvd::Element> Waiting for Handle<T> {
+    fn poll(&mut self) -> bool {
+        Handle::poll(self)
+    }
+
+    fn wait(self: Box<Self>) -> Result<Box<dyn Produced>, Error> {
+        let v = Handle::wait(*self)?;
+        Ok(Box::new((v, Vec::new())))
+    }
+}
+
+impl<T: hvd::Element> Waiting for Handle<T, (Vec<T>, Vec<usize>)> {
+    fn poll(&mut self) -> bool {
+        Handle::poll(self)
+    }
+
+    fn wait(self: Box<Self>) -> Result<Box<dyn Produced>, Error> {
+        Ok(Box::new(Handle::wait(*self)?))
+    }
+}
+
+/// The pending result of an asynchronous allgather, alltoall or reducescatter: the engine
+/// fills a buffer of its own, which `copy_into` then copies into a tensor Python sized from
+/// `wait`'s answer.
+#[pyclass(module = "hvd._hvd")]
+struct OutputHandle {
+    pending: Mutex<Option<Box<dyn Waiting>>>,
+    done: Mutex<Option<Box<dyn Produced>>>,
+    name: String,
+}
+
+impl OutputHandle {
+    fn new(pending: Box<dyn Waiting>, name: String) -> Self {
+        Self {
+            pending: Mutex::new(Some(pending)),
+            done: Mutex::new(None),
+            name,
+        }
+    }
+}
+
+#[pymethods]
+impl OutputHandle {
+    /// Whether the op has finished (successfully or not); never blocks.
+    fn poll(&self) -> bool {
+        let mut p = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        p.as_mut().is_none_or(|w| w.poll())
+    }
+
+    /// Waits for the op (without the GIL); returns the number of elements it produced and
+    /// the elements received from each rank (an alltoall's; empty otherwise).
+    fn wait(&self, py: Python<'_>) -> PyResult<(usize, Vec<usize>)> {
+        let pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(pending) = pending else {
+            return Err(PyValueError::new_err(format!(
+                "op '{}' was already waited for",
+                self.name
+            )));
+        };
+        let out = py.detach(|| pending.wait()).map_err(raise)?;
+        let shape = (out.len(), out.counts().to_vec());
+        *self.done.lock().unwrap_or_else(PoisonError::into_inner) = Some(out);
+        Ok(shape)
+    }
+
+    /// Copies the result into the `count` elements of `dtype` at `address` (after `wait`).
+    fn copy_into(&self, address: usize, count: usize, dtype: &str) -> PyResult<()> {
+        let out = Region::new(address, count, DType::parse(dtype)?)?;
+        let done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(result) = done.as_ref() else {
+            return Err(PyValueError::new_err(format!(
+                "op '{}' has no result to copy: wait for it first",
+                self.name
+            )));
+        };
+        result.copy_to(&out).map_err(gather_error)
+    }
+}
+
+/// Runs `$f::<T>($args)` for the element type `T` of a [`DType`].
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::U8 => $f::<u8>($($arg),*),
+            DType::I32 => $f::<i32>($($arg),*),
+            DType::I64 => $f::<i64>($($arg),*),
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::BF16 => $f::<bf16>($($arg),*),
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+        }
+    };
+}
+
+/// What an asynchronous allgather, alltoall or reducescatter does with its input.
+enum Produce {
+    Allgather(usize),
+    Alltoall(Vec<usize>),
+    Reducescatter(ReduceOp),
+}
+
+fn produce_typed<T: hvd::Element>(
+    s: &Submitter,
+    input: &Region,
+    what: Produce,
+    name: &str,
+) -> PyResult<Box<dyn Waiting>> {
+    let v = input
+        .to_vec::<T>()
+        .ok_or_else(|| PyValueError::new_err("the input's dtype changed"))?;
+    Ok(match what {
+        Produce::Allgather(row_len) => Box::new(s.allgather_async(name, v, row_len)),
+        Produce::Alltoall(splits) => Box::new(s.alltoall_async(name, v, splits)),
+        Produce::Reducescatter(op) => Box::new(s.reducescatter_async(name, v, op)),
+    })
+}
+
+/// Submits `what` of a copy of the input region to the engine under `name`.
+fn produce(
+    address: usize,
+    count: usize,
+    dtype: &str,
+    what: Produce,
+    name: String,
+) -> PyResult<OutputHandle> {
+    let dtype = DType::parse(dtype)?;
+    let input = Region::new(address, count, dtype)?;
+    let s = submitter()?;
+    let pending = by_dtype!(dtype, produce_typed(&s, &input, what, &name))?;
+    Ok(OutputHandle::new(pending, name))
+}
+
+/// Starts gathering every rank's rows (`row_len` elements each) of the input in the
+/// background, under `name`; the input is copied at once.
+#[pyfunction]
+fn allgather_async(
+    address: usize,
+    count: usize,
+    dtype: &str,
+    row_len: usize,
+    name: String,
+) -> PyResult<OutputHandle> {
+    produce(address, count, dtype, Produce::Allgather(row_len), name)
+}
+
+/// Starts sending `splits[p]` elements of the input to rank `p` in the background, under
+/// `name`; the input is copied at once.
+#[pyfunction]
+fn alltoall_async(
+    address: usize,
+    count: usize,
+    dtype: &str,
+    splits: Vec<usize>,
+    name: String,
+) -> PyResult<OutputHandle> {
+    produce(address, count, dtype, Produce::Alltoall(splits), name)
+}
+
+/// Starts reducing the input across ranks in the background, this rank keeping its block,
+/// under `name`; the input is copied at once.
+#[pyfunction]
+fn reducescatter_async(
+    address: usize,
+    count: usize,
+    dtype: &str,
+    op: &str,
+    name: String,
+) -> PyResult<OutputHandle> {
+    let op = op_from(op)?;
+    produce(address, count, dtype, Produce::Reducescatter(op), name)
+}
+
 /// Leaves the current round and joins the driver's next one (elastic jobs), stopping the
 /// background engine of the old round first. Returns `None`, or the driver's reason when it
 /// has no place for this worker any more (which then exits 0).
@@ -446,8 +643,7 @@ fn allgather_into(
     let input = Region::new(address, count, dtype)?;
     let out = Region::new(out_address, out_count, dtype)?;
     let set = set_of(set)?;
-    py.detach(|| input.allgather_into(row_len, &out, set.as_ref()))
-        .map_err(gather_error)
+    world_call(py, || input.allgather_into(row_len, &out, set.as_ref()))
 }
 
 /// Sends `splits[p]` elements of the input region to rank `p`, receiving into the output
@@ -469,8 +665,7 @@ fn alltoall_into(
     let input = Region::new(address, count, dtype)?;
     let out = Region::new(out_address, out_count, dtype)?;
     let set = set_of(set)?;
-    py.detach(|| input.alltoall_into(&splits, &out, set.as_ref()))
-        .map_err(gather_error)
+    world_call(py, || input.alltoall_into(&splits, &out, set.as_ref()))
 }
 
 /// Reduces the input region across ranks and writes this rank's block of the result (the
@@ -493,8 +688,7 @@ fn reducescatter_into(
     let input = Region::new(address, count, dtype)?;
     let out = Region::new(out_address, out_count, dtype)?;
     let set = set_of(set)?;
-    py.detach(|| input.reducescatter_into(op, &out, set.as_ref()))
-        .map_err(gather_error)
+    world_call(py, || input.reducescatter_into(op, &out, set.as_ref()))
 }
 
 /// Waits until every rank (of process set `set`, if given) has called it.
@@ -502,16 +696,30 @@ fn reducescatter_into(
 #[pyo3(signature = (set=None))]
 fn barrier(py: Python<'_>, set: Option<u32>) -> PyResult<()> {
     match set_of(set)? {
-        None => py.detach(hvd::barrier),
-        Some(set) => py.detach(|| hvd::with_process_set(&set, |c| c.barrier())),
+        None => world_call(py, || Ok(hvd::barrier()?)),
+        Some(set) => py
+            .detach(|| hvd::with_process_set(&set, |c| c.barrier()))
+            .map_err(raise),
     }
-    .map_err(raise)
 }
 
-/// Declares that this rank has no more data (Horovod's `join`), starting the engine if it
-/// is not running; returns the rank that joined last, once every rank has.
+/// Declares that this rank has no more data (Horovod's `join`); returns the rank that
+/// joined last, once every rank has. Without a running engine it first tries to join at
+/// the other ranks' next synchronous call: when they all join there, that is all; when
+/// they still run, every rank moves to its engine, which takes this rank's part with zeros.
 #[pyfunction]
 fn join(py: Python<'_>) -> PyResult<usize> {
+    let running = ENGINE
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .is_some();
+    if !running {
+        match py.detach(hvd::join_without_engine) {
+            Ok(last) => return Ok(last),
+            Err(e) if e.met_joined_ranks() => {}
+            Err(e) => return Err(raise(e)),
+        }
+    }
     submitter()?;
     py.detach(hvd::join).map_err(raise)
 }
@@ -538,6 +746,9 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
     m.add_function(wrap_pyfunction!(topology, m)?)?;
+    m.add_function(wrap_pyfunction!(allgather_async, m)?)?;
+    m.add_function(wrap_pyfunction!(alltoall_async, m)?)?;
+    m.add_function(wrap_pyfunction!(reducescatter_async, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_, m)?)?;
     m.add_function(wrap_pyfunction!(count_step, m)?)?;
     m.add_function(wrap_pyfunction!(newest_update, m)?)?;
@@ -546,6 +757,7 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(allreduce_async_, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_async_, m)?)?;
     m.add_class::<AsyncHandle>()?;
+    m.add_class::<OutputHandle>()?;
     for f in [
         wrap_pyfunction!(add_process_set, m)?,
         wrap_pyfunction!(remove_process_set, m)?,

@@ -44,6 +44,19 @@ impl DType {
         })
     }
 
+    /// The collectives' short name of the type (`f32`, …), as [`hvd::DType::name`] gives it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::U8 => "u8",
+            Self::I32 => "i32",
+            Self::I64 => "i64",
+            Self::F16 => "f16",
+            Self::BF16 => "bf16",
+            Self::F32 => "f32",
+            Self::F64 => "f64",
+        }
+    }
+
     /// Bytes per element, which is also the alignment the element needs.
     pub(crate) fn size(self) -> usize {
         match self {
@@ -407,5 +420,47 @@ impl Region {
     ) -> Result<(), GatherError> {
         same_dtype(self, out)?;
         typed!(self.dtype, reducescatter_typed(self, op, out, set))
+    }
+}
+
+/// What an op the engine runs into a buffer of its own gives back (an allgather, alltoall or
+/// reducescatter submitted asynchronously): its elements, and how many came from each rank.
+pub trait Produced: Send {
+    /// The number of elements.
+    fn len(&self) -> usize;
+    /// Elements received from each rank (an alltoall's; empty for the others).
+    fn counts(&self) -> &[usize];
+    /// Copies the elements into `out`, a region of their type and number.
+    fn copy_to(&self, out: &Region) -> Result<(), GatherError>;
+}
+
+impl<T: hvd::Element> Produced for (Vec<T>, Vec<usize>) {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn counts(&self) -> &[usize] {
+        &self.1
+    }
+
+    fn copy_to(&self, out: &Region) -> Result<(), GatherError> {
+        if out.dtype.name() != T::DTYPE.name() {
+            return Err(GatherError::Shape(format!(
+                "an output of {:?} for elements of {}",
+                out.dtype,
+                T::DTYPE
+            )));
+        }
+        // SAFETY: `T` is the output region's element type (checked just above).
+        let o = unsafe { exclusive::<T>(out) };
+        copy_into(&self.0, o, "the op")
+    }
+}
+
+impl Region {
+    /// The region's elements, copied into a vector of `T`; `None` when `T` is not its type.
+    pub fn to_vec<T: hvd::Element>(&self) -> Option<Vec<T>> {
+        // SAFETY: `T` is the region's element type (checked first).
+        (self.dtype.name() == T::DTYPE.name()).then(|| unsafe { shared::<T>(self) }.to_vec())
     }
 }

@@ -116,7 +116,10 @@ def main():
 
     # Clear errors, and no collective is left half done by them.
     for bad, what in [(lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool)), "dtype bool"),
-                      (lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), "Adasum"),
+                      (lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32),
+                                             op=hvd.Adasum), "floating-point"),
+                      (lambda: hvd.reducescatter(torch.ones(2), op=hvd.Adasum),
+                       "Adasum is an allreduce only"),
                       (lambda: hvd.allreduce([1.0]), "torch.Tensor"),
                       (lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32),
                                              prescale_factor=2.0), "floating-point")]:
@@ -144,6 +147,8 @@ def main():
         parts = [data(p, case, 3 * (p + 1), dtype).reshape(p + 1, 3) for p in range(n)]
         got = hvd.allgather(parts[r])
         assert torch.equal(got, torch.cat(parts)), (dtype, got.shape)
+        got = hvd.synchronize(hvd.allgather_async(parts[r], name=f"allgather.{case}"))
+        assert torch.equal(got, torch.cat(parts)), ("async", dtype, got.shape)
         cases += 1
     assert hvd.allgather_object({"rank": r}) == [{"rank": p} for p in range(n)]
     # alltoall: rank p sends (p + q) % 3 rows to rank q.
@@ -158,6 +163,9 @@ def main():
             want.append(inputs[p][start:start + sends[p][r]])
         assert torch.equal(out, torch.cat(want)), (dtype, out, want)
         assert received.tolist() == [sends[p][r] for p in range(n)]
+        out, received = hvd.synchronize(hvd.alltoall_async(inputs[r], splits=sends[r]))
+        assert torch.equal(out, torch.cat(want)), ("async", dtype, out, want)
+        assert received.tolist() == [sends[p][r] for p in range(n)], ("async", received)
         cases += 1
     even, _ = hvd.alltoall(torch.arange(2 * n, dtype=torch.int32) + 100 * r)
     assert even.tolist() == [100 * p + 2 * r + k for p in range(n) for k in range(2)], even
@@ -177,11 +185,31 @@ def main():
                 mine = want[start:start + base + (1 if r < extra else 0)]
                 assert got.shape == mine.shape, (dtype, name, rows, got.shape, mine.shape)
                 assert close(got.flatten(), mine.flatten(), dtype), (dtype, name, rows)
+                got = hvd.synchronize(hvd.reducescatter_async(inputs[r], op=op))
+                assert got.shape == mine.shape, ("async", dtype, name, rows, got.shape)
+                assert close(got.flatten(), mine.flatten(), dtype), ("async", dtype, name, rows)
                 cases += 1
     x = torch.ones(2 * n, 3)
     got = hvd.reducescatter(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
     assert torch.equal(got, torch.full((2, 3), n / 2.0)), got
     assert torch.equal(x, torch.ones(2 * n, 3)), "reducescatter changed its input"
+    # The three in flight together with an allreduce, waited for in another order.
+    handles = [hvd.allgather_async(torch.full((r + 1, 2), float(r))),
+               hvd.alltoall_async(torch.full((n,), float(r))),
+               hvd.reducescatter_async(x, op=hvd.Sum, prescale_factor=2.0,
+                                       postscale_factor=0.25),
+               hvd.allreduce_async(torch.ones(3), op=hvd.Sum)]
+    assert all(isinstance(hvd.poll(h), bool) for h in handles)
+    summed = hvd.synchronize(handles[3])
+    assert torch.equal(summed, torch.full((3,), float(n))), summed
+    scattered = hvd.synchronize(handles[2])
+    assert torch.equal(scattered, torch.full((2, 3), n / 2.0)), scattered
+    out, received = hvd.synchronize(handles[1])
+    assert torch.equal(out, torch.arange(n, dtype=torch.float32)), out
+    assert received.tolist() == [1] * n, received
+    gathered = hvd.synchronize(handles[0])
+    assert torch.equal(gathered, torch.cat([torch.full((p + 1, 2), float(p))
+                                            for p in range(n)])), gathered
 
     # Asynchronous ops through the background engine: many in flight at once, fused.
     case += 1

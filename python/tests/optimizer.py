@@ -148,7 +148,7 @@ def main():
 
     for bad, what in [
         (lambda: hvd.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=1),
-                                          op=hvd.Adasum), "Adasum"),
+                                          op=hvd.Adasum, groups=2), "not supported with"),
         (lambda: hvd.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=1),
                                           named_parameters=[("x", torch.nn.Parameter(
                                               torch.ones(1)))]), "does not name"),

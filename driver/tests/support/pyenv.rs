@@ -57,7 +57,10 @@ fn set_up() -> Result<PathBuf, String> {
     let python = bin.join("python");
     let ready = python.exists()
         && Command::new(&python)
-            .args(["-c", "import torch, torchvision, numpy, maturin, packaging, cloudpickle"])
+            .args([
+                "-c",
+                "import torch, torchvision, numpy, maturin, packaging, cloudpickle",
+            ])
             .output()
             .is_ok_and(|o| o.status.success());
     if !ready {
@@ -98,4 +101,3 @@ fn set_up() -> Result<PathBuf, String> {
     )?;
     Ok(python)
 }
-

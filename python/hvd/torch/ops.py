@@ -203,11 +203,16 @@ def _op_of(average, op):
             raise ValueError("pass either op or the deprecated average, not both")
         return Average if average else Sum
     op = Average if op is None else op
-    if op is Adasum:
-        raise NotImplementedError("hvd.Adasum is not supported yet: use hvd.Average or hvd.Sum")
     if not isinstance(op, _Op):
-        raise ValueError(f"unknown reduction {op!r}: use hvd.Average, Sum, Min, Max or Product")
+        raise ValueError(f"unknown reduction {op!r}: use hvd.Average, Sum, Min, Max, Product "
+                         f"or Adasum")
     return op
+
+
+def _check_op(tensor, op):
+    """Adasum combines floating-point tensors only: said before any rank waits on a peer."""
+    if op is Adasum and not _tensor(tensor).is_floating_point():
+        raise ValueError(f"hvd.Adasum combines floating-point tensors, not {tensor.dtype}")
 
 
 def _scale(tensor, factor, which):
@@ -224,6 +229,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     """Reduces ``tensor`` across all ranks (or ``process_set``'s) in place (default: the
     average) and returns it."""
     op = _op_of(average, op)
+    _check_op(tensor, op)
     sid = _set_id(process_set)
     _scale(tensor, prescale_factor, "prescale_factor")
     if sid is None:
@@ -351,6 +357,15 @@ def _name(kind, name):
     return f"{kind}.noname.{_unnamed[kind]}"
 
 
+def _handle(native, complete):
+    """Registers the op ``native`` (with ``poll()`` and ``wait()``) and returns its handle;
+    ``complete()`` waits for it and gives what ``synchronize`` returns."""
+    _next_handle[0] += 1
+    h = _next_handle[0]
+    _handles[h] = (native, complete)
+    return h
+
+
 def _submit(tensor, submit, finish):
     """Lends ``tensor``'s memory to ``submit(address, count, dtype, owner)`` (a contiguous
     CPU copy when it is not one itself) and returns the handle; ``finish(tensor)`` runs when
@@ -359,10 +374,36 @@ def _submit(tensor, submit, finish):
     direct = tensor.device.type == "cpu" and tensor.is_contiguous()
     work = tensor if direct else tensor.detach().to("cpu").contiguous()
     native = submit(work.data_ptr(), work.numel(), _dtype_name(work), work)
-    _next_handle[0] += 1
-    h = _next_handle[0]
-    _handles[h] = (native, tensor, work, direct, finish)
-    return h
+
+    def complete():
+        native.wait()
+        if not direct:
+            with _torch.no_grad():
+                tensor.copy_(work)
+        finish(tensor)
+        return tensor
+
+    return _handle(native, complete)
+
+
+def _produced(native, rest, row_len, dtype, device):
+    """What completes an op whose engine fills a buffer of its own (``native`` an
+    ``OutputHandle``): waits, allocates the output (rows of ``row_len`` elements shaped
+    ``rest``), copies the result in; returns it with the elements received from each rank
+    (an alltoall's; empty otherwise)."""
+
+    def complete():
+        elements, counts = native.wait()
+        out = _torch.empty((elements // max(row_len, 1),) + rest, dtype=dtype)
+        native.copy_into(out.data_ptr(), out.numel(), _dtype_name(out))
+        return out.to(device), counts
+
+    return complete
+
+
+def _ran(result):
+    """The handle of an op that already ran, giving ``result``."""
+    return _handle(_Done(), lambda: result)
 
 
 def poll(handle):
@@ -373,17 +414,13 @@ def poll(handle):
 
 
 def synchronize(handle):
-    """Waits for the op of ``handle`` and returns its output tensor."""
+    """Waits for the op of ``handle`` and returns its output: the tensor (an alltoall's
+    with the row counts received from each rank)."""
     try:
-        native, tensor, work, direct, finish = _handles.pop(handle)
+        _, complete = _handles.pop(handle)
     except KeyError:
         raise ValueError(f"unknown handle {handle}: already synchronized, or never returned")
-    native.wait()
-    if not direct:
-        with _torch.no_grad():
-            tensor.copy_(work)
-    finish(tensor)
-    return tensor
+    return complete()
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -392,6 +429,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     ``synchronize``/``poll``. The tensor must not be used until then. On a process set the
     op runs at once (the background engine serves the whole job)."""
     op = _op_of(average, op)
+    _check_op(tensor, op)
     sid = _set_id(process_set)
     if sid is not None:
         allreduce_(tensor, op=op, prescale_factor=prescale_factor,
@@ -469,6 +507,22 @@ def allgather(tensor, name=None, process_set=None):
     return out.to(tensor.device)
 
 
+def allgather_async(tensor, name=None, process_set=None):
+    """Starts an ``allgather`` of ``tensor`` (copied at once) in the background; returns a
+    handle whose ``synchronize`` gives the gathered tensor. On a process set it runs at
+    once (the background engine serves the whole job)."""
+    if _set_id(process_set) is not None:
+        return _ran(allgather(tensor, name=name, process_set=process_set))
+    t = _contiguous_cpu(tensor)
+    rows, row_len = _rows(t)
+    if row_len == 0:
+        raise ValueError("allgather of rows with no elements")
+    native = _hvd.allgather_async(t.data_ptr(), t.numel(), _dtype_name(t), row_len,
+                                  _name("allgather", name))
+    complete = _produced(native, tuple(t.shape[1:]), row_len, t.dtype, tensor.device)
+    return _handle(native, lambda: complete()[0])
+
+
 def allgather_object(obj, name=None, process_set=None):
     """Returns every rank's ``obj`` (any picklable object), in rank order."""
     import pickle
@@ -486,13 +540,9 @@ def allgather_object(obj, name=None, process_set=None):
     return objs
 
 
-def alltoall(tensor, splits=None, name=None, process_set=None):
-    """Sends ``splits[p]`` rows (first-dimension slices) of ``tensor`` to rank ``p`` (equal
-    parts without ``splits``); returns what every rank sent here, in rank order, and how many
-    rows came from each."""
-    sid, _, n = _where(process_set)
-    t = _contiguous_cpu(tensor)
-    rows, row_len = _rows(t)
+def _splits(splits, rows, n):
+    """``alltoall``'s ``splits`` as a list of ``n`` row counts (equal parts when ``None``),
+    checked against the ``rows`` of the tensor."""
     if splits is None:
         if rows % n:
             raise ValueError(f"alltoall without splits needs a first dimension divisible by "
@@ -503,6 +553,17 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     if len(splits) != n or any(x < 0 for x in splits) or sum(splits) != rows:
         raise ValueError(f"alltoall splits {splits} must be {n} non-negative row counts "
                          f"summing to the first dimension, {rows}")
+    return splits
+
+
+def alltoall(tensor, splits=None, name=None, process_set=None):
+    """Sends ``splits[p]`` rows (first-dimension slices) of ``tensor`` to rank ``p`` (equal
+    parts without ``splits``); returns what every rank sent here, in rank order, and how many
+    rows came from each."""
+    sid, _, n = _where(process_set)
+    t = _contiguous_cpu(tensor)
+    rows, row_len = _rows(t)
+    splits = _splits(splits, rows, n)
     mine = _torch.tensor(splits, dtype=_torch.int64)
     got = _torch.zeros(n, dtype=_torch.int64)
     _hvd.alltoall_into(mine.data_ptr(), n, "int64", [1] * n, got.data_ptr(), n, sid)
@@ -513,14 +574,61 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     return out.to(tensor.device), _torch.tensor(received, dtype=_torch.int32)
 
 
+def alltoall_async(tensor, splits=None, name=None, process_set=None):
+    """Starts an ``alltoall`` of ``tensor`` (copied at once) in the background; returns a
+    handle whose ``synchronize`` gives what arrived and the rows received from each rank.
+    On a process set it runs at once."""
+    sid, _, n = _where(process_set)
+    if sid is not None:
+        return _ran(alltoall(tensor, splits=splits, name=name, process_set=process_set))
+    t = _contiguous_cpu(tensor)
+    rows, row_len = _rows(t)
+    splits = _splits(splits, rows, n)
+    native = _hvd.alltoall_async(t.data_ptr(), t.numel(), _dtype_name(t),
+                                 [x * row_len for x in splits], _name("alltoall", name))
+    produced = _produced(native, tuple(t.shape[1:]), row_len, t.dtype, tensor.device)
+
+    def complete():
+        out, counts = produced()
+        rows = [c // max(row_len, 1) for c in counts]
+        return out, _torch.tensor(rows, dtype=_torch.int32)
+
+    return _handle(native, complete)
+
+
+def reducescatter_async(tensor, name=None, op=None, process_set=None, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """Starts a ``reducescatter`` of ``tensor`` (copied at once) in the background; returns
+    a handle whose ``synchronize`` gives this rank's slice of the result. On a process set,
+    or with a first dimension the ranks do not divide evenly, it runs at once."""
+    op = _reducescatter_op(op)
+    sid, r, n = _where(process_set)
+    t = _contiguous_cpu(tensor)
+    if sid is not None or t.dim() == 0 or t.shape[0] % n:
+        return _ran(reducescatter(tensor, name=name, op=op, process_set=process_set,
+                                  prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor))
+    if prescale_factor != 1.0:
+        t = t.clone() if t is tensor else t
+        _scale(t, prescale_factor, "prescale_factor")
+    native = _hvd.reducescatter_async(t.data_ptr(), t.numel(), _dtype_name(t), op.name,
+                                      _name("reducescatter", name))
+    produced = _produced(native, tuple(t.shape[1:]), _rows(t)[1], t.dtype, tensor.device)
+
+    def complete():
+        out = produced()[0]
+        _scale(out, postscale_factor, "postscale_factor")
+        return out
+
+    return _handle(native, complete)
+
+
 def reducescatter(tensor, name=None, op=None, process_set=None, prescale_factor=1.0,
                   postscale_factor=1.0):
     """Reduces ``tensor`` across ranks (default: the average) and returns this rank's slice
     of the result along the first dimension; the first ``rows % size`` ranks get one row
     more. Each rank receives only its slice: the reduction is scattered as it runs."""
-    op = _op_of(None, op)
-    if op is Adasum:
-        raise NotImplementedError("hvd.Adasum is not supported yet: use hvd.Average or hvd.Sum")
+    op = _reducescatter_op(op)
     sid, r, n = _where(process_set)
     t = _contiguous_cpu(tensor)
     if t.dim() == 0:
@@ -548,6 +656,14 @@ def reducescatter(tensor, name=None, op=None, process_set=None, prescale_factor=
     out = out[:mine]
     _scale(out, postscale_factor, "postscale_factor")
     return out.to(tensor.device)
+
+
+def _reducescatter_op(op):
+    op = _op_of(None, op)
+    if op is Adasum:
+        raise ValueError("reducescatter reduces with hvd.Sum, Average, Min, Max or Product: "
+                         "Adasum is an allreduce only")
+    return op
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
@@ -659,7 +775,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 __all__ = [
     "ProcessSet", "add_process_set", "global_process_set", "remove_process_set",
-    "allgather", "allgather_object", "alltoall", "reducescatter",
+    "allgather", "allgather_async", "allgather_object", "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async",
     "Compression", "broadcast_object", "broadcast_optimizer_state",
     "allreduce_async", "allreduce_async_", "broadcast_async", "broadcast_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",

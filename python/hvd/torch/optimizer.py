@@ -20,9 +20,6 @@ class _DistributedOptimizer:
 
     def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, process_set, groups):
-        if op is _ops.Adasum:
-            raise NotImplementedError(
-                "DistributedOptimizer(op=hvd.Adasum) is not supported yet: use hvd.Average")
         if op not in (_ops.Average, _ops.Sum):
             raise ValueError(f"DistributedOptimizer reduces with hvd.Average or hvd.Sum, not {op!r}")
         if gradient_predivide_factor != 1.0 and op is not _ops.Average:
@@ -31,24 +28,7 @@ class _DistributedOptimizer:
             raise ValueError(f"backward_passes_per_step must be at least 1, not "
                              f"{backward_passes_per_step}")
         params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            if any(not isinstance(n, tuple) or len(n) != 2 for n in named):
-                raise ValueError("named_parameters must be (name, parameter) pairs, as "
-                                 "model.named_parameters() gives")
-            names = [n for n, _ in named]
-            dupes = sorted({n for n in names if names.count(n) > 1})
-            if dupes:
-                raise ValueError(f"parameter names must be unique; repeated: {dupes}")
-            by_param = {id(p): n for n, p in named}
-            missing = [i for i, p in enumerate(params) if id(p) not in by_param]
-            if missing:
-                raise ValueError(f"named_parameters does not name {len(missing)} parameter(s) "
-                                 f"of the optimizer (positions {missing[:8]})")
-        else:
-            by_param = {id(p): f"allreduce.noname.{i}.{j}"
-                        for i, group in enumerate(self.param_groups)
-                        for j, p in enumerate(group["params"])}
+        by_param = _names_of(self.param_groups, named_parameters)
         self._hvd_names = by_param
         self._hvd_set = process_set
         self._hvd_compression = compression
@@ -172,6 +152,134 @@ class _DistributedOptimizer:
         return super(self.__class__, self).zero_grad(*args, **kwargs)
 
 
+def _names_of(param_groups, named_parameters):
+    """{id(param): the name its reduction goes by}: from ``named_parameters`` (checked: pairs,
+    unique names, every parameter named), or generated from the parameters' positions."""
+    params = [p for group in param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {id(p): f"allreduce.noname.{i}.{j}"
+                for i, group in enumerate(param_groups)
+                for j, p in enumerate(group["params"])}
+    named = list(named_parameters)
+    if any(not isinstance(n, tuple) or len(n) != 2 for n in named):
+        raise ValueError("named_parameters must be (name, parameter) pairs, as "
+                         "model.named_parameters() gives")
+    names = [n for n, _ in named]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"parameter names must be unique; repeated: {dupes}")
+    by_param = {id(p): n for n, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in by_param]
+    if missing:
+        raise ValueError(f"named_parameters does not name {len(missing)} parameter(s) "
+                         f"of the optimizer (positions {missing[:8]})")
+    return by_param
+
+
+class _DistributedAdasumOptimizer:
+    """Methods mixed into a subclass of the user's optimizer class for ``op=hvd.Adasum``:
+    Horovod's delta form. Each parameter is stepped by the wrapped optimizer on its own local
+    gradient as soon as that gradient is ready (after ``backward_passes_per_step`` passes);
+    the change it made (the delta) is what the ranks combine with Adasum, and ``step()`` sets
+    every parameter to its value before the local step plus the combined delta."""
+
+    def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor, process_set, groups):
+        if gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor applies only with op=hvd.Average")
+        if groups not in (None, 0):
+            raise ValueError("groups is not supported with op=hvd.Adasum: each parameter's "
+                             "delta is combined on its own")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be at least 1, not "
+                             f"{backward_passes_per_step}")
+        params = [p for group in self.param_groups for p in group["params"]]
+        self._hvd_names = _names_of(self.param_groups, named_parameters)
+        self._hvd_set = process_set
+        self._hvd_compression = compression
+        self._hvd_passes = backward_passes_per_step
+        self._hvd_delay = {id(p): backward_passes_per_step for p in params}
+        self._hvd_start = {}
+        self._hvd_pending = {}
+        self._hvd_hooks = []
+        if _ops.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
+            for p in params:
+                if p.requires_grad:
+                    self._hvd_hooks.append(p.register_post_accumulate_grad_hook(self._hvd_hook))
+
+    def _hvd_hook(self, p):
+        key = id(p)
+        if key in self._hvd_pending:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call "
+                "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+        self._hvd_delay[key] -= 1
+        if self._hvd_delay[key] == 0:
+            self._hvd_pending[key] = (p, self._hvd_submit(p))
+
+    def _hvd_submit(self, p):
+        """Steps ``p`` alone on its local gradient, leaves the delta in ``p`` and submits its
+        Adasum; the value before the step is kept to add the combined delta to."""
+        start = self._hvd_start.get(id(p))
+        if start is None:
+            start = self._hvd_start[id(p)] = torch.empty_like(p, requires_grad=False)
+        with torch.no_grad():
+            start.copy_(p)
+        stashed = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [q for q in group["params"] if q is p]
+            super(self.__class__, self).step()
+        finally:
+            for group, kept in zip(self.param_groups, stashed):
+                group["params"] = kept
+        with torch.no_grad():
+            p.sub_(start)
+        compressed, ctx = self._hvd_compression.compress(p.data)
+        handle = _ops.allreduce_async_(compressed, name=self._hvd_names[id(p)], op=_ops.Adasum,
+                                       process_set=self._hvd_set)
+        return handle, ctx
+
+    def synchronize(self):
+        """Steps and submits every parameter not submitted yet, waits for every combined
+        delta and applies it: each parameter becomes its value before the local step plus
+        the Adasum of the ranks' deltas."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in self._hvd_pending:
+                    self._hvd_pending[id(p)] = (p, self._hvd_submit(p))
+        try:
+            for p, (handle, ctx) in self._hvd_pending.values():
+                delta = self._hvd_compression.decompress(_ops.synchronize(handle), ctx)
+                start = self._hvd_start[id(p)]
+                with torch.no_grad():
+                    start.add_(delta.to(start.dtype))
+                    p.copy_(start)
+        finally:
+            self._hvd_pending.clear()
+            for key in self._hvd_delay:
+                self._hvd_delay[key] = self._hvd_passes
+
+    def _hvd_reset(self):
+        """Forgets the reductions of a round that failed (elastic resets)."""
+        self._hvd_pending.clear()
+        for key in self._hvd_delay:
+            self._hvd_delay[key] = self._hvd_passes
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self.synchronize()
+        return loss
+
+    def zero_grad(self, *args, **kwargs):
+        if self._hvd_pending:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                "cause a race condition.")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
 def DistributedOptimizer(optimizer, named_parameters=None,
                          compression=_compression.Compression.none,
                          backward_passes_per_step=1, op=_ops.Average,
@@ -180,9 +288,11 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over every rank.
 
     As in Horovod, the result is an instance of a subclass of the optimizer's class, built
-    from its parameter groups (its state starts empty).
+    from its parameter groups (its state starts empty). With ``op=hvd.Adasum`` it combines
+    the local optimizer's parameter deltas by Adasum instead (Horovod's Adasum optimizer).
     """
-    methods = {k: v for k, v in _DistributedOptimizer.__dict__.items()
+    mixin = _DistributedAdasumOptimizer if op is _ops.Adasum else _DistributedOptimizer
+    methods = {k: v for k, v in mixin.__dict__.items()
                if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     opt = cls.__new__(cls)
