@@ -192,6 +192,31 @@ fn an_elastic_torch_job_survives_a_killed_worker_without_losing_a_step() {
     assert!(rerun <= 2 * 5, "{rerun} steps re-run by 2 survivors");
 }
 
+/// `DistributedOptimizer(op=hvd.Adasum)` through a failure and a host added: every rank's
+/// gradient is the same, so every committed step moves the weight by exactly one.
+#[test]
+fn an_elastic_adasum_job_survives_a_killed_worker_and_a_new_host() {
+    let args: Vec<&str> = TRAIN.iter().copied().chain(["--op", "adasum"]).collect();
+    let mut job = elastic_script(
+        "py-adasum",
+        &["127.0.0.2:2", "127.0.0.3:1"],
+        &["-np", "3", "--min-np", "2", "--max-np", "5"],
+        "python/tests/elastic_train.py",
+        &args,
+    );
+    job.wait_step(15, 3);
+    signal(job.pid_of_rank(2), Signal::SIGKILL);
+    job.wait_step(1, 2);
+    job.set_hosts(&["127.0.0.2:2", "127.0.0.4:3"]);
+    job.wait_step(1, 5);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 150), 5);
+    for d in lines.iter().filter(|l| l.v["event"] == "done") {
+        assert_eq!(d.v["weight"], -150.0, "{}", d.v);
+    }
+}
+
 #[test]
 fn an_elastic_torch_job_grows_when_a_host_is_added() {
     let mut job = elastic_job(

@@ -28,6 +28,9 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--commit-every", type=int, default=5)
     p.add_argument("--step-ms", type=float, default=10)
+    p.add_argument("--op", choices=["average", "adasum"], default="average",
+                   help="the DistributedOptimizer's op: every rank's gradient is the same, "
+                        "so Adasum gives the same steps as the average")
     p.add_argument("--state-model", default=None,
                    help="a torchvision model (with SGD momentum state) to keep in the "
                         "TorchState besides the counter, to time recovery with a real state")
@@ -40,7 +43,8 @@ def main():
     with torch.no_grad():
         model.weight.zero_()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   op=hvd.Adasum if args.op == "adasum" else hvd.Average)
     dataset = list(range(64))
     sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=7)
     extra = {}
