@@ -136,14 +136,40 @@ impl Communicator {
         let total = starts[starts.len() - 1];
         let blocks = block_bounds(total, n);
         let splits: Vec<usize> = blocks.windows(2).map(|w| w[1] - w[0]).collect();
-        let mut fused = Vec::with_capacity(total);
-        bufs.iter().for_each(|b| fused.extend_from_slice(b));
+        let (mut whole, mut mine): (Vec<T>, Vec<T>) = self
+            .adasum
+            .take()
+            .and_then(|b| b.downcast().ok())
+            .map_or_else(Default::default, |b| *b);
+        let done = self.adasum_in(bufs, &starts, &splits, &mut whole, &mut mine);
+        self.adasum = Some(Box::new((whole, mine)));
+        done
+    }
+
+    /// [`Communicator::adasum`] with its working buffers: `whole` holds the fused input, then
+    /// the gathered result; `mine` every rank's block of this rank.
+    fn adasum_in<T: Element>(
+        &mut self,
+        bufs: &mut [&mut [T]],
+        starts: &[usize],
+        splits: &[usize],
+        whole: &mut Vec<T>,
+        mine: &mut Vec<T>,
+    ) -> Result<()> {
+        let n = self.size();
+        let total = starts[starts.len() - 1];
+        let blocks = block_bounds(total, n);
         // Block r of every rank's buffer, in rank order.
-        let (mut mine, _) = self.alltoall(&fused, &splits)?;
-        drop(fused);
+        if let [one] = bufs {
+            self.alltoall_to(one, splits, mine)?;
+        } else {
+            whole.clear();
+            bufs.iter().for_each(|b| whole.extend_from_slice(b));
+            self.alltoall_to(whole, splits, mine)?;
+        }
         let r = self.rank();
         let len = splits[r];
-        let pieces = pieces_in(&starts, blocks[r], blocks[r + 1]);
+        let pieces = pieces_in(starts, blocks[r], blocks[r + 1]);
         let tensors = bufs.len();
         for round in rounds(n) {
             let mut sums = vec![0.0f64; round.len() * tensors * 3];
@@ -165,8 +191,8 @@ impl Communicator {
                 }
             }
         }
-        mine.truncate(len);
-        let all = self.allgather(&mine, 1)?;
+        self.allgather_to(&mine[..len], 1, whole)?;
+        let all = &whole[..];
         if all.len() != total {
             return Err(CommError::InvalidArgument {
                 op: "allreduce",

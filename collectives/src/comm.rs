@@ -61,6 +61,9 @@ pub struct Communicator {
     /// The same-host reduce's staging memory, kept between calls so that a call neither
     /// allocates it nor faults it in again (8-byte words: aligned for every element type).
     pub(crate) staging: Vec<u64>,
+    /// Adasum's working buffers (two `Vec`s of the last element type it combined), kept
+    /// between calls for the same reason.
+    pub(crate) adasum: Option<Box<dyn std::any::Any + Send>>,
 }
 
 /// The two communicators of a hierarchical allreduce, over the world's own sockets: the ranks
@@ -475,6 +478,7 @@ impl Communicator {
             background: false,
             extra: (0..n).map(|_| Vec::new()).collect(),
             staging: Vec::new(),
+            adasum: None,
         }
     }
 

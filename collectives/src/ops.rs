@@ -76,6 +76,12 @@ struct SameHostCall<'a> {
     pushed: bool,
 }
 
+/// `out` as `len` zeros, in the memory it already holds where it can.
+fn zeroed<T: Element>(out: &mut Vec<T>, len: usize) {
+    out.clear();
+    out.resize(len, T::zeroed());
+}
+
 fn desc<T: Element>(kind: Kind, op: Option<ReduceOp>, seq: u64, count: usize) -> Descriptor {
     Descriptor {
         kind,
@@ -692,6 +698,19 @@ impl Communicator {
     /// [`CommError::InvalidArgument`] when `input` is not whole rows; a mismatch when ranks
     /// disagree on type or row length; a transport error when a peer fails.
     pub fn allgather<T: Element>(&mut self, input: &[T], row_len: usize) -> Result<Vec<T>> {
+        let mut out = Vec::new();
+        self.allgather_to(input, row_len, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Communicator::allgather`] into `out`, whose memory is reused: a caller that gathers
+    /// large buffers again and again keeps their pages.
+    pub(crate) fn allgather_to<T: Element>(
+        &mut self,
+        input: &[T],
+        row_len: usize,
+        out: &mut Vec<T>,
+    ) -> Result<()> {
         let seq = self.begin()?;
         let (n, r) = (self.size(), self.rank());
         let local = if row_len == 0 && !input.is_empty() {
@@ -709,11 +728,15 @@ impl Communicator {
                 op: "allgather",
                 detail,
             })?;
-            return Ok(input.to_vec());
+            out.clear();
+            out.extend_from_slice(input);
+            return Ok(());
         }
         let hier = self.hier_allgather;
         if let Some(mut h) = self.hier.take_if(|_| hier) {
-            let done = self.allgather_by_host(&mut h, input, row_len, local);
+            let done = self
+                .allgather_by_host(&mut h, input, row_len, local)
+                .map(|v| *out = v);
             self.hier = Some(h);
             self.forget_timeouts();
             return done.map_err(|e| self.fail(e));
@@ -759,7 +782,7 @@ impl Communicator {
         let any_direct = direct || addrs.iter().any(Option::is_some);
         if let Some(pids) = self.cma.clone().filter(|_| any_direct) {
             let counts: Vec<usize> = descs.iter().map(|d| d.count as usize).collect();
-            let mut out = vec![T::zeroed(); counts.iter().sum()];
+            zeroed(out, counts.iter().sum());
             let mut at = 0;
             let mut failed = None;
             for (p, &c) in counts.iter().enumerate() {
@@ -782,10 +805,10 @@ impl Communicator {
             }
             // Every input stays untouched until every rank has read it.
             self.barrier()?;
-            return Ok(out);
+            return Ok(());
         }
         let counts: Vec<usize> = descs.iter().map(|d| d.count as usize).collect();
-        let mut out = vec![T::zeroed(); counts.iter().sum()];
+        zeroed(out, counts.iter().sum());
         let mut recvs: Vec<Option<&mut [u8]>> = Vec::with_capacity(n);
         let mut rest = out.as_mut_slice();
         for (p, &c) in counts.iter().enumerate() {
@@ -807,7 +830,7 @@ impl Communicator {
         if recvs.iter().any(Option::is_some) || sends.iter().any(Option::is_some) {
             self.pairwise("allgather", &sends, &mut recvs)?;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Sends `splits[p]` consecutive elements of `input` to each rank `p` (an empty `splits`
@@ -822,6 +845,18 @@ impl Communicator {
         input: &[T],
         splits: &[usize],
     ) -> Result<(Vec<T>, Vec<usize>)> {
+        let mut out = Vec::new();
+        let counts = self.alltoall_to(input, splits, &mut out)?;
+        Ok((out, counts))
+    }
+
+    /// [`Communicator::alltoall`] into `out`, whose memory is reused; returns the counts.
+    pub(crate) fn alltoall_to<T: Element>(
+        &mut self,
+        input: &[T],
+        splits: &[usize],
+        out: &mut Vec<T>,
+    ) -> Result<Vec<usize>> {
         let seq = self.begin()?;
         let (n, r) = (self.size(), self.rank());
         let (splits, local) = resolve_splits(input.len(), splits, n);
@@ -830,7 +865,9 @@ impl Communicator {
                 op: "alltoall",
                 detail,
             })?;
-            return Ok((input.to_vec(), vec![input.len()]));
+            out.clear();
+            out.extend_from_slice(input);
+            return Ok(vec![input.len()]);
         }
         let offsets = prefix_sums(&splits);
         let part = |p: usize| -> &[T] { &input[offsets[p]..offsets[p + 1]] };
@@ -876,7 +913,7 @@ impl Communicator {
         )?;
         let mut counts: Vec<usize> = descs.iter().map(|d| d.count as usize).collect();
         counts[r] = splits[r];
-        let mut out = vec![T::zeroed(); counts.iter().sum()];
+        zeroed(out, counts.iter().sum());
         let mut recvs: Vec<Option<&mut [u8]>> = Vec::with_capacity(n);
         let mut rest = out.as_mut_slice();
         for (p, &c) in counts.iter().enumerate() {
@@ -911,7 +948,7 @@ impl Communicator {
             // Every part read in place has been read before any rank lets its input go.
             self.barrier()?;
         }
-        Ok((out, counts))
+        Ok(counts)
     }
 
     /// Horovod's `join` on a communicator no engine drives: this rank has no more data.
