@@ -303,7 +303,7 @@ mod tests {
     #[test]
     fn integers_are_refused() {
         let mut comm = Communicator::single();
-        let mut v = vec![1i32, 2];
+        let mut v = [1i32, 2];
         let err = comm.adasum(&mut [&mut v[..]]).unwrap_err();
         assert!(err.to_string().contains("floating-point"), "{err}");
     }

@@ -534,9 +534,49 @@ fn the_gradient_sync_benchmark_runs_under_hvd_and_under_gloo() {
         "{s}"
     );
     let s = summary(
+        under_hvd(3, &script).args(small).args(["--op", "adasum"]),
+        "median_ms",
+    );
+    assert_eq!(
+        (s["op"].as_str(), s["ranks"].as_u64()),
+        (Some("adasum"), Some(3)),
+        "{s}"
+    );
+    let s = summary(
         under_torchrun(2, &script).arg("--gloo").args(small),
         "median_ms",
     );
     assert_eq!(s["system"], "DDP buckets over Gloo", "{s}");
     assert!(s["median_ms"].as_f64().is_some_and(|m| m > 0.0), "{s}");
+}
+
+/// The Adasum chapter's case study: at the learning rate that suits one worker, Adasum
+/// reaches the polynomial's coefficients in fewer steps than averaging, and in fewer still
+/// with more ranks, while averaging needs about as many as one worker.
+#[test]
+fn adasum_needs_fewer_steps_than_averaging_at_an_unscaled_learning_rate() {
+    let script = root().join("examples/python/adasum_case_study.py");
+    let steps = |np: usize| {
+        let s = summary(&mut under_hvd(np, &script), "adasum_steps");
+        let (avg, ada) = (s["average_steps"].as_u64(), s["adasum_steps"].as_u64());
+        (avg.expect("average_steps"), ada.expect("adasum_steps"))
+    };
+    let (one_avg, one_ada) = steps(1);
+    assert_eq!(one_avg, one_ada, "one worker: the two ops are the same");
+    let (two_avg, two_ada) = steps(2);
+    let (four_avg, four_ada) = steps(4);
+    for (np, avg, ada) in [(2, two_avg, two_ada), (4, four_avg, four_ada)] {
+        assert!(
+            ada * 10 < avg * 8,
+            "{np} ranks: Adasum {ada} steps, average {avg}"
+        );
+        assert!(
+            avg * 10 > one_avg * 8,
+            "{np} ranks: average {avg} steps, one worker {one_avg}"
+        );
+    }
+    assert!(
+        four_ada < two_ada,
+        "Adasum on 4 ranks {four_ada}, on 2 {two_ada}"
+    );
 }

@@ -6,6 +6,8 @@ float32), as a training step produces it, timed three ways in one script:
 - ``gloo``: PyTorch DDP's scheme over Gloo, the gradients packed into 25 MiB buckets (last
   layer first) and each bucket allreduced, then unpacked (run it under ``torchrun --gloo``).
 
+``--op adasum`` times hvd's Adasum of the same gradients instead of their average.
+
     horovodrun -np 2 -H 127.0.0.1:2 python examples/python/grad_sync_bench.py
     python -m torch.distributed.run --nproc_per_node 2 examples/python/grad_sync_bench.py --gloo
     horovodrun -np 2 -H 127.0.0.1:2 target/release/examples/fusion_bench \\
@@ -37,12 +39,26 @@ def shapes(model):
     return [(64, 3, 7, 7), (64,), (256, 64, 1, 1), (1000, 2048), (1000,)]
 
 
+def adasum_of_constants(size):
+    """What Adasum makes of ranks whose gradients are all ``rank + 1`` everywhere: parallel
+    gradients ``a`` and ``b`` combine to ``(a + b) / 2``, up the ranks' tree (the first
+    ceil(n/2) ranks' result with the rest's)."""
+    def tree(values):
+        if len(values) == 1:
+            return values[0]
+        mid = (len(values) + 1) // 2
+        return (tree(values[:mid]) + tree(values[mid:])) / 2
+    return tree([float(r + 1) for r in range(size)])
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--gloo", action="store_true", help="DDP's buckets over Gloo (torchrun)")
     p.add_argument("--model", default="resnet50", help="resnet50, or small (tests)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--op", choices=["average", "adasum"], default="average",
+                   help="hvd's reduction (the Gloo baseline always averages)")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.gloo:
@@ -60,7 +76,8 @@ def main():
     order = list(reversed(range(len(grads))))  # backward produces the last layer first
 
     def sync_hvd():
-        handles = [hvd.allreduce_async_(grads[i], name=f"grad.{i}") for i in order]
+        op = hvd.Adasum if args.op == "adasum" else hvd.Average
+        handles = [hvd.allreduce_async_(grads[i], name=f"grad.{i}", op=op) for i in order]
         for h in handles:
             hvd.synchronize(h)
 
@@ -99,15 +116,16 @@ def main():
         sync()
         if k >= args.warmup:
             times.append(time.perf_counter() - t)
-        want = (size + 1) / 2
-        if not all(torch.all(g == want) for g in grads):
-            raise SystemExit(f"rank {rank}: the averaged gradients are wrong")
+        want = adasum_of_constants(size) if args.op == "adasum" and not args.gloo else (size + 1) / 2
+        if not all(torch.allclose(g, torch.full_like(g, want), rtol=1e-5) for g in grads):
+            raise SystemExit(f"rank {rank}: the reduced gradients are wrong")
     if rank == 0:
         ms = statistics.median(times) * 1000
         system = "DDP buckets over Gloo" if args.gloo else "hvd"
-        print(f"{system}: {len(grads)} tensors, {elems} float32, {size} ranks: median "
+        op = "average" if args.gloo else args.op
+        print(f"{system} ({op}): {len(grads)} tensors, {elems} float32, {size} ranks: median "
               f"{ms:.1f} ms per synchronisation over {args.iters}", flush=True)
-        print(json.dumps({"system": system, "tensors": len(grads), "elems": elems,
+        print(json.dumps({"system": system, "op": op, "tensors": len(grads), "elems": elems,
                           "ranks": size, "median_ms": ms}), flush=True)
 
 
