@@ -322,6 +322,14 @@ pub struct Launcher {
     pub spool: Option<PathBuf>,
 }
 
+/// The directory of rank `rank`'s logs under `--output-filename` in a job of `size` ranks:
+/// `rank.<rank>`, the rank padded with zeros to the width of the highest rank so the
+/// directories sort in rank order, as Horovod names them.
+pub fn rank_dir(rank: usize, size: usize) -> String {
+    let width = size.saturating_sub(1).max(1).to_string().len();
+    format!("rank.{rank:0width$}")
+}
+
 /// The file of `stream` (`stdout`, `stderr`) of worker `id` in a spool directory.
 pub fn spool_file(dir: &std::path::Path, id: u64, stream: &str) -> PathBuf {
     dir.join(format!("worker.{id}.{stream}"))
@@ -644,7 +652,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
         let log = spec
             .output_dir
             .as_ref()
-            .map(|d| d.join(format!("rank.{}", s.rank)));
+            .map(|d| d.join(rank_dir(s.rank, size)));
         let label = s.rank.to_string();
         match launcher.spawn(s.rank as u64, &label, &s.host, spec.local[s.rank], env, log) {
             Ok(w) => {
@@ -869,4 +877,18 @@ pub async fn stop_workers(targets: &[(u64, Handle)], rx: &mut mpsc::Receiver<Exi
         }
     }
     seen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rank_dir;
+
+    #[test]
+    fn rank_directories_are_padded_to_the_highest_rank() {
+        assert_eq!(rank_dir(0, 1), "rank.0");
+        assert_eq!(rank_dir(3, 10), "rank.3");
+        assert_eq!(rank_dir(3, 11), "rank.03");
+        assert_eq!(rank_dir(10, 11), "rank.10");
+        assert_eq!(rank_dir(7, 1000), "rank.007");
+    }
 }
