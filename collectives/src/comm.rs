@@ -387,15 +387,8 @@ impl Communicator {
             Err(e) => return e,
         };
         let d = Descriptor {
-            kind,
-            dtype: None,
-            op: None,
-            root: 0,
-            seq,
-            count: 0,
-            row_len: 1,
-            payload_len: 0,
             invalid: true,
+            ..Descriptor::bare(kind, seq)
         };
         match self.open(
             d,

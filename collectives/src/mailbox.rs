@@ -349,15 +349,8 @@ mod tests {
 
     fn desc(payload_len: usize, seq: u64) -> [u8; DESCRIPTOR_LEN] {
         crate::wire::Descriptor {
-            kind: crate::wire::Kind::Allreduce,
-            dtype: None,
-            op: None,
-            root: 0,
-            seq,
-            count: 0,
-            row_len: 1,
             payload_len: payload_len as u64,
-            invalid: false,
+            ..crate::wire::Descriptor::bare(crate::wire::Kind::Allreduce, seq)
         }
         .encode()
     }

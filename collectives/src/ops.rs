@@ -964,17 +964,7 @@ impl Communicator {
         if n == 1 {
             return Ok(0);
         }
-        let mine = Descriptor {
-            kind: Kind::Join,
-            dtype: None,
-            op: None,
-            root: 0,
-            seq,
-            count: 0,
-            row_len: 1,
-            payload_len: 0,
-            invalid: false,
-        };
+        let mine = Descriptor::bare(Kind::Join, seq);
         // The others' calls may carry inline payloads: read past them.
         self.open(
             mine,

@@ -92,6 +92,21 @@ pub struct Descriptor {
 }
 
 impl Descriptor {
+    /// The descriptor of call `seq` of `kind` that carries no data: no type, op or payload.
+    pub fn bare(kind: Kind, seq: u64) -> Self {
+        Self {
+            kind,
+            dtype: None,
+            op: None,
+            root: 0,
+            seq,
+            count: 0,
+            row_len: 1,
+            payload_len: 0,
+            invalid: false,
+        }
+    }
+
     /// Serialises the descriptor (little endian).
     pub fn encode(&self) -> [u8; DESCRIPTOR_LEN] {
         let mut b = [0u8; DESCRIPTOR_LEN];

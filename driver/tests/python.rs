@@ -171,6 +171,13 @@ fn elastic_script(name: &str, hosts: &[&str], flags: &[&str], script: &str, args
     Job::spawn(dir, cmd)
 }
 
+/// Every rank's model took exactly one SGD step per training step: its weight is `-steps`.
+fn assert_weights(lines: &[support::Line], steps: u32) {
+    for d in lines.iter().filter(|l| l.v["event"] == "done") {
+        assert_eq!(d.v["weight"], -f64::from(steps), "{}", d.v);
+    }
+}
+
 #[test]
 fn an_elastic_torch_job_survives_a_killed_worker_without_losing_a_step() {
     let hosts = ["127.0.0.2:2", "127.0.0.3:2"];
@@ -212,9 +219,7 @@ fn an_elastic_adasum_job_survives_a_killed_worker_and_a_new_host() {
     let (code, err, lines) = job.finish();
     assert_eq!(code, 0, "{err}");
     assert_eq!(check_counter(&lines, 150), 5);
-    for d in lines.iter().filter(|l| l.v["event"] == "done") {
-        assert_eq!(d.v["weight"], -150.0, "{}", d.v);
-    }
+    assert_weights(&lines, 150);
 }
 
 #[test]
@@ -230,9 +235,7 @@ fn an_elastic_torch_job_grows_when_a_host_is_added() {
     let (code, err, lines) = job.finish();
     assert_eq!(code, 0, "{err}");
     assert_eq!(check_counter(&lines, 150), 4);
-    for d in lines.iter().filter(|l| l.v["event"] == "done") {
-        assert_eq!(d.v["weight"], -150.0, "{}", d.v);
-    }
+    assert_weights(&lines, 150);
     assert_eq!(steps_rerun(&lines), 0, "a host change rolls nothing back");
 }
 
@@ -280,9 +283,7 @@ fn autotune_keeps_what_it_tuned_across_elastic_rounds() {
     let (code, err, lines) = job.finish();
     assert_eq!(code, 0, "{err}");
     assert_eq!(check_counter(&lines, 1500), 4);
-    for d in lines.iter().filter(|l| l.v["event"] == "done") {
-        assert_eq!(d.v["weight"], -1500.0, "{}", d.v);
-    }
+    assert_weights(&lines, 1500);
     // The third round trained: steps at size 4 after the last one at size 6.
     let step_at =
         |size: u64| move |l: &&support::Line| l.v["event"] == "step" && l.v["size"] == size;
@@ -473,9 +474,7 @@ fn an_elastic_torch_job_survives_losing_rank_0s_host() {
     let (code, err, lines) = job.finish();
     assert_eq!(code, 0, "{err}");
     assert_eq!(check_counter(&lines, 150), 2);
-    for d in lines.iter().filter(|l| l.v["event"] == "done") {
-        assert_eq!(d.v["weight"], -150.0, "{}", d.v);
-    }
+    assert_weights(&lines, 150);
 }
 
 #[test]

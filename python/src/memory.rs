@@ -44,16 +44,16 @@ impl DType {
         })
     }
 
-    /// The collectives' short name of the type (`f32`, …), as [`hvd::DType::name`] gives it.
-    pub(crate) fn name(self) -> &'static str {
+    /// The collectives' own tag of the type.
+    pub(crate) fn element(self) -> hvd::DType {
         match self {
-            Self::U8 => "u8",
-            Self::I32 => "i32",
-            Self::I64 => "i64",
-            Self::F16 => "f16",
-            Self::BF16 => "bf16",
-            Self::F32 => "f32",
-            Self::F64 => "f64",
+            Self::U8 => hvd::DType::U8,
+            Self::I32 => hvd::DType::I32,
+            Self::I64 => hvd::DType::I64,
+            Self::F16 => hvd::DType::F16,
+            Self::BF16 => hvd::DType::BF16,
+            Self::F32 => hvd::DType::F32,
+            Self::F64 => hvd::DType::F64,
         }
     }
 
@@ -444,7 +444,7 @@ impl<T: hvd::Element> Produced for (Vec<T>, Vec<usize>) {
     }
 
     fn copy_to(&self, out: &Region) -> Result<(), GatherError> {
-        if out.dtype.name() != T::DTYPE.name() {
+        if out.dtype.element() != T::DTYPE {
             return Err(GatherError::Shape(format!(
                 "an output of {:?} for elements of {}",
                 out.dtype,
@@ -461,6 +461,6 @@ impl Region {
     /// The region's elements, copied into a vector of `T`; `None` when `T` is not its type.
     pub fn to_vec<T: hvd::Element>(&self) -> Option<Vec<T>> {
         // SAFETY: `T` is the region's element type (checked first).
-        (self.dtype.name() == T::DTYPE.name()).then(|| unsafe { shared::<T>(self) }.to_vec())
+        (self.dtype.element() == T::DTYPE).then(|| unsafe { shared::<T>(self) }.to_vec())
     }
 }

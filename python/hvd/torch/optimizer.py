@@ -15,7 +15,40 @@ from hvd.torch import compression as _compression
 from hvd.torch import ops as _ops
 
 
-class _DistributedOptimizer:
+class _Hooked:
+    """What both wrappers share: a hook on every trained parameter, counting its backward
+    passes, and Horovod's guard on ``zero_grad``."""
+
+    def _hvd_hook_all(self, params):
+        """Hooks every trained parameter (in a world of one only for elastic jobs, which may
+        grow)."""
+        self._hvd_hooks = []
+        if _ops.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
+            for p in params:
+                if p.requires_grad:
+                    self._hvd_hooks.append(p.register_post_accumulate_grad_hook(self._hvd_hook))
+
+    def _hvd_pass_done(self, p):
+        """Counts a backward pass of ``p``; whether it completed ``backward_passes_per_step``
+        of them."""
+        key = id(p)
+        if key in self._hvd_pending:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call "
+                "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+        self._hvd_delay[key] -= 1
+        return self._hvd_delay[key] == 0
+
+    def zero_grad(self, *args, **kwargs):
+        if self._hvd_pending:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                "cause a race condition.")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
+class _DistributedOptimizer(_Hooked):
     """Methods mixed into a subclass of the user's optimizer class."""
 
     def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
@@ -39,24 +72,15 @@ class _DistributedOptimizer:
         self._hvd_pending = {}
         self._hvd_synchronized = False
         self._hvd_skip = False
-        self._hvd_hooks = []
         self._hvd_group_of, self._hvd_groups = _groups_of(
             [p for p in params if p.requires_grad], groups)
         self._hvd_ready = {g: [] for g in range(len(self._hvd_groups))}
-        if _ops.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
-            for p in params:
-                if p.requires_grad:
-                    self._hvd_hooks.append(p.register_post_accumulate_grad_hook(self._hvd_hook))
+        self._hvd_hook_all(params)
 
     def _hvd_hook(self, p):
-        key = id(p)
-        if key in self._hvd_pending:
-            raise AssertionError(
-                "Gradients were computed more than backward_passes_per_step times before call "
-                "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
-        self._hvd_delay[key] -= 1
-        if self._hvd_delay[key] != 0:
+        if not self._hvd_pass_done(p):
             return
+        key = id(p)
         g = self._hvd_group_of.get(key)
         if g is None:
             self._hvd_pending[key] = (p, self._hvd_submit(p))
@@ -143,14 +167,6 @@ class _DistributedOptimizer:
         self._hvd_synchronized = False
         return super(self.__class__, self).step(closure)
 
-    def zero_grad(self, *args, **kwargs):
-        if self._hvd_pending:
-            raise AssertionError(
-                "optimizer.zero_grad() was called after loss.backward() but before "
-                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
-                "cause a race condition.")
-        return super(self.__class__, self).zero_grad(*args, **kwargs)
-
 
 def _names_of(param_groups, named_parameters):
     """{id(param): the name its reduction goes by}: from ``named_parameters`` (checked: pairs,
@@ -176,7 +192,7 @@ def _names_of(param_groups, named_parameters):
     return by_param
 
 
-class _DistributedAdasumOptimizer:
+class _DistributedAdasumOptimizer(_Hooked):
     """Methods mixed into a subclass of the user's optimizer class for ``op=hvd.Adasum``:
     Horovod's delta form. Each parameter is stepped by the wrapped optimizer on its own local
     gradient as soon as that gradient is ready (after ``backward_passes_per_step`` passes);
@@ -201,21 +217,11 @@ class _DistributedAdasumOptimizer:
         self._hvd_delay = {id(p): backward_passes_per_step for p in params}
         self._hvd_start = {}
         self._hvd_pending = {}
-        self._hvd_hooks = []
-        if _ops.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
-            for p in params:
-                if p.requires_grad:
-                    self._hvd_hooks.append(p.register_post_accumulate_grad_hook(self._hvd_hook))
+        self._hvd_hook_all(params)
 
     def _hvd_hook(self, p):
-        key = id(p)
-        if key in self._hvd_pending:
-            raise AssertionError(
-                "Gradients were computed more than backward_passes_per_step times before call "
-                "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
-        self._hvd_delay[key] -= 1
-        if self._hvd_delay[key] == 0:
-            self._hvd_pending[key] = (p, self._hvd_submit(p))
+        if self._hvd_pass_done(p):
+            self._hvd_pending[id(p)] = (p, self._hvd_submit(p))
 
     def _hvd_submit(self, p):
         """Steps ``p`` alone on its local gradient, leaves the delta in ``p`` and submits its
@@ -271,14 +277,6 @@ class _DistributedAdasumOptimizer:
         self.synchronize()
         return loss
 
-    def zero_grad(self, *args, **kwargs):
-        if self._hvd_pending:
-            raise AssertionError(
-                "optimizer.zero_grad() was called after loss.backward() but before "
-                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
-                "cause a race condition.")
-        return super(self.__class__, self).zero_grad(*args, **kwargs)
-
 
 def DistributedOptimizer(optimizer, named_parameters=None,
                          compression=_compression.Compression.none,
@@ -292,8 +290,10 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     the local optimizer's parameter deltas by Adasum instead (Horovod's Adasum optimizer).
     """
     mixin = _DistributedAdasumOptimizer if op is _ops.Adasum else _DistributedOptimizer
-    methods = {k: v for k, v in mixin.__dict__.items()
-               if k not in ("__dict__", "__weakref__")}
+    methods = {}
+    for klass in reversed(mixin.__mro__[:-1]):  # the shared methods first, then the mixin's
+        methods.update({k: v for k, v in klass.__dict__.items()
+                        if k not in ("__dict__", "__weakref__")})
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     opt = cls.__new__(cls)
     optimizer.__class__.__init__(opt, optimizer.param_groups)
