@@ -878,9 +878,14 @@ async fn output_kept_for_a_missing_driver_is_bounded() {
     let (mut ev, mut rq) = connect(&addr, SECRET, T).await.unwrap();
     claim(&mut rq, &mut ev, "jobs/flood", 30_000).await;
     start(&mut rq, 1, "sleep 0.3; seq 1 1000000; echo done", &[]).await;
-    started(&mut ev, 1).await;
+    let pid = started(&mut ev, 1).await as i32;
     drop((ev, rq));
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // All of its output comes while no driver is connected, however loaded the machine.
+    assert!(
+        gone_within(pid, Duration::from_secs(60)).await,
+        "the flood did not end"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let (mut ev2, mut rq2) = connect(&addr, SECRET, T).await.unwrap();
     let (_, dropped) = claim(&mut rq2, &mut ev2, "jobs/flood", 30_000).await;
     let (out, _, exit) = run_to_exit(&mut ev2, 1).await;
