@@ -203,7 +203,17 @@ fn an_elastic_torch_job_survives_a_killed_worker_without_losing_a_step() {
 /// gradient is the same, so every committed step moves the weight by exactly one.
 #[test]
 fn an_elastic_adasum_job_survives_a_killed_worker_and_a_new_host() {
-    let args: Vec<&str> = TRAIN.iter().copied().chain(["--op", "adasum"]).collect();
+    // Long enough for three new workers to import torch on a loaded machine and join.
+    let args = [
+        "--steps",
+        "600",
+        "--commit-every",
+        "5",
+        "--step-ms",
+        "20",
+        "--op",
+        "adasum",
+    ];
     let mut job = elastic_script(
         "py-adasum",
         &["127.0.0.2:2", "127.0.0.3:1"],
@@ -218,8 +228,8 @@ fn an_elastic_adasum_job_survives_a_killed_worker_and_a_new_host() {
     job.wait_step(1, 5);
     let (code, err, lines) = job.finish();
     assert_eq!(code, 0, "{err}");
-    assert_eq!(check_counter(&lines, 150), 5);
-    assert_weights(&lines, 150);
+    assert_eq!(check_counter(&lines, 600), 5);
+    assert_weights(&lines, 600);
 }
 
 #[test]
