@@ -18,11 +18,28 @@ use support::{Job, check_counter, scratch, signal, steps_rerun};
 
 /// `horovodrun` running the Python script `script` as `np` ranks on this host.
 fn under_hvd(np: usize, script: &Path) -> Command {
+    under_hvd_on(&format!("127.0.0.1:{np}"), np, script)
+}
+
+/// `horovodrun` running the Python script `script` as `np` ranks on `hosts` (`-H`).
+fn under_hvd_on(hosts: &str, np: usize, script: &Path) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
-    cmd.args(["-np", &np.to_string(), "-H", &format!("127.0.0.1:{np}")])
+    cmd.args(["-np", &np.to_string(), "-H", hosts])
         .arg(python())
         .arg(script);
     cmd
+}
+
+/// Runs `cmd` to success (`what` names it in the failure) and returns its stdout.
+fn stdout_of(cmd: &mut Command, what: &str) -> String {
+    let out = cmd.output().expect("horovodrun");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{what}:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
 }
 
 /// `torchrun` running the Python script `script` as `np` ranks, its store on a free port.
@@ -89,17 +106,10 @@ fn sync_batch_norm_normalizes_over_the_union_of_the_batches() {
 #[test]
 fn adasum_matches_its_numpy_reference_on_2_to_8_ranks() {
     passes_on("adasum.py", "adasum", &[2, 3, 4, 5, 8]);
-    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
-        .args(["-np", "3", "-H", "127.0.0.2:1,127.0.0.3:2"])
-        .arg(python())
-        .arg(root().join("python/tests/adasum.py"))
-        .output()
-        .expect("horovodrun");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let script = root().join("python/tests/adasum.py");
+    let text = stdout_of(
+        &mut under_hvd_on("127.0.0.2:1,127.0.0.3:2", 3, &script),
+        "3 ranks on two hosts",
     );
     assert_eq!(text.matches("adasum ok: rank").count(), 3, "{text}");
 }
@@ -110,20 +120,16 @@ fn adasum_matches_its_numpy_reference_on_2_to_8_ranks() {
 fn join_works_while_other_ranks_train_with_synchronous_or_asynchronous_ops() {
     for mode in ["sync", "async"] {
         for hosts in ["127.0.0.1:3", "127.0.0.2:1,127.0.0.3:2"] {
-            let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
-                .args(["-np", "3", "-H", hosts])
-                .arg(python())
-                .arg(root().join("python/tests/join.py"))
-                .args(["--mode", mode])
-                .output()
-                .expect("horovodrun");
-            let text = String::from_utf8_lossy(&out.stdout);
-            let err = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "{mode} on {hosts}:\n{text}\n{err}");
+            let script = root().join("python/tests/join.py");
+            let what = format!("{mode} on {hosts}");
+            let text = stdout_of(
+                under_hvd_on(hosts, 3, &script).args(["--mode", mode]),
+                &what,
+            );
             for rank in 0..3 {
                 assert!(
                     text.contains(&format!("join ok: rank {rank} of 3")),
-                    "{mode} on {hosts}, rank {rank}:\n{text}\n{err}"
+                    "{what}, rank {rank}:\n{text}"
                 );
             }
         }
@@ -384,15 +390,10 @@ fn the_synthetic_benchmark_runs_under_hvd_and_under_ddp() {
 
 #[test]
 fn the_latency_example_reports_its_calls() {
-    let out = under_hvd(2, &root().join("examples/python/allreduce_latency.py"))
-        .args(["--iters", "50", "--warmup", "5"])
-        .output()
-        .expect("horovodrun");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let text = stdout_of(
+        under_hvd(2, &root().join("examples/python/allreduce_latency.py"))
+            .args(["--iters", "50", "--warmup", "5"]),
+        "the latency example",
     );
     assert!(
         text.contains("hvd.allreduce_ of 4 B from Python on 2 ranks: mean ")
