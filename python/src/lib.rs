@@ -525,6 +525,17 @@ fn newest_update(py: Python<'_>) -> PyResult<u64> {
     py.detach(hvd::elastic::steps::newest_update).map_err(raise)
 }
 
+/// Decides a sync of the elastic state from every rank's commits and whether it is new
+/// (a small allgather: every rank calls it at the same point): the source rank, the commits
+/// everyone ends with, and the ranks that must receive (empty when every rank holds it).
+#[pyfunction]
+fn sync_plan(py: Python<'_>, commits: u64, fresh: bool) -> PyResult<(usize, u64, Vec<usize>)> {
+    let plan = py
+        .detach(|| hvd::elastic::steps::sync_plan(commits, fresh))
+        .map_err(raise)?;
+    Ok((plan.root, plan.commits, plan.receivers))
+}
+
 /// Counts one committed training step for the driver's step rate.
 #[pyfunction]
 fn count_step() {
@@ -752,6 +763,7 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(allreduce_, m)?)?;
     m.add_function(wrap_pyfunction!(count_step, m)?)?;
     m.add_function(wrap_pyfunction!(newest_update, m)?)?;
+    m.add_function(wrap_pyfunction!(sync_plan, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_, m)?)?;
     m.add_function(wrap_pyfunction!(barrier, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_async_, m)?)?;

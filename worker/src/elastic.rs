@@ -126,6 +126,53 @@ impl<A: Syncable, B: Syncable> Syncable for (A, B) {
     }
 }
 
+/// What one member brings to a sync: how many commits its saved state carries, and whether it
+/// has never been synchronized (a worker new to the job, whose state is only its own start).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holding {
+    /// Commits its saved state carries.
+    pub commits: u64,
+    /// Never synchronized: its state counts for nothing and it always receives.
+    pub fresh: bool,
+}
+
+/// Who sends the newest committed state in a sync, and who must receive it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncPlan {
+    /// The rank whose state everyone ends with.
+    pub root: usize,
+    /// The commits that state carries: every rank's count after the sync.
+    pub commits: u64,
+    /// The ranks that lack it, in rank order; empty when every rank already holds it.
+    pub receivers: Vec<usize>,
+}
+
+/// Decides a sync from every member's holding, in rank order. The source is the lowest rank
+/// among the synchronized members with the most commits (the lowest rank of all when every
+/// member is new, as at a job's start). A member receives when it is new or has fewer
+/// commits: members at the same count hold the same state, because every member of a round
+/// starts from one source and applies the same collective steps.
+pub fn sync_plan(members: &[Holding]) -> SyncPlan {
+    let known = members.iter().any(|m| !m.fresh);
+    let counts = |m: &Holding| if known && m.fresh { None } else { Some(m.commits) };
+    let most = members.iter().filter_map(counts).max().unwrap_or(0);
+    let root = members
+        .iter()
+        .position(|m| counts(m) == Some(most))
+        .unwrap_or(0);
+    let receivers = members
+        .iter()
+        .enumerate()
+        .filter(|&(r, m)| r != root && (m.fresh || m.commits < most))
+        .map(|(r, _)| r)
+        .collect();
+    SyncPlan {
+        root,
+        commits: most,
+        receivers,
+    }
+}
+
 type ResetCallback = Box<dyn FnMut(&Topology) + Send>;
 
 /// Training state with a last commit to fall back to. Dereferences to the current value.
@@ -136,6 +183,8 @@ pub struct State<S: Syncable> {
     commits: u64,
     /// The newest host update this worker has acted on.
     handled_update: u64,
+    /// Whether this worker's value has never been synchronized: it always receives.
+    fresh: bool,
     callbacks: Vec<ResetCallback>,
 }
 
@@ -175,6 +224,7 @@ impl<S: Syncable> State<S> {
             value,
             commits: 0,
             handled_update: 0,
+            fresh: true,
             callbacks: Vec::new(),
         }
     }
@@ -220,21 +270,23 @@ impl<S: Syncable> State<S> {
         Ok(())
     }
 
-    /// Makes every rank hold the newest committed state: the value of the lowest rank among
-    /// those with the most commits is broadcast, and becomes everyone's last commit. In an
-    /// elastic job the worker then tells the driver it holds the state: a worker whose host
-    /// was drained stays in the job until a worker that stays has said so.
+    /// Makes every rank hold the newest committed state. The lowest rank among those with the
+    /// most commits (that have been synchronized before) is the source; it is broadcast only
+    /// when some rank lacks it (a new worker, or a survivor behind), so after a failure that
+    /// left every survivor at the same commit nothing moves. In an elastic job the worker then
+    /// tells the driver it holds the state: a worker whose host was drained stays in the job
+    /// until a worker that stays has said so.
     ///
     /// # Errors
     /// A collective error.
     pub fn sync(&mut self) -> Result<()> {
-        let mine = [self.commits as i64];
-        let all = crate::allgather(&mine, 1)?;
-        let most = all.iter().copied().max().unwrap_or(0);
-        let root = all.iter().position(|&c| c == most).unwrap_or(0);
-        self.value.broadcast_from(root)?;
-        self.saved = self.value.clone();
-        self.commits = most.max(0) as u64;
+        let plan = steps::sync_plan(self.commits, self.fresh)?;
+        if !plan.receivers.is_empty() {
+            self.value.broadcast_from(plan.root)?;
+            self.saved = self.value.clone();
+        }
+        self.commits = plan.commits;
+        self.fresh = false;
         // Announcements this round already accounts for need no further round.
         self.handled_update = self.handled_update.max(crate::updates_through());
         crate::report_synced();
@@ -304,6 +356,24 @@ pub fn run<S: Syncable, R>(
 /// PyTorch objects, synchronized with its own broadcasts, and runs the same loop over these).
 pub mod steps {
     use crate::Result;
+
+    /// Every rank's holding gathered (a small allgather; every rank calls it at the same
+    /// point) and the sync decided from them by [`super::sync_plan`].
+    ///
+    /// # Errors
+    /// A collective error.
+    pub fn sync_plan(commits: u64, fresh: bool) -> Result<super::SyncPlan> {
+        let mine = [commits as i64, i64::from(fresh)];
+        let all = crate::allgather(&mine, 2)?;
+        let members: Vec<super::Holding> = all
+            .chunks_exact(2)
+            .map(|m| super::Holding {
+                commits: m[0].max(0) as u64,
+                fresh: m[1] != 0,
+            })
+            .collect();
+        Ok(super::sync_plan(&members))
+    }
 
     /// Leaves the current communicator and joins the driver's next round, saying why.
     ///
@@ -441,6 +511,37 @@ impl ElasticSampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn held(list: &[(u64, bool)]) -> Vec<Holding> {
+        list.iter()
+            .map(|&(commits, fresh)| Holding { commits, fresh })
+            .collect()
+    }
+
+    #[test]
+    fn survivors_at_the_newest_commit_receive_nothing() {
+        let plan = sync_plan(&held(&[(7, false), (7, false), (7, false)]));
+        assert_eq!(plan, SyncPlan { root: 0, commits: 7, receivers: vec![] });
+    }
+
+    #[test]
+    fn new_members_and_survivors_behind_receive_from_the_lowest_newest() {
+        let plan = sync_plan(&held(&[(6, false), (7, false), (0, true), (7, false), (6, false)]));
+        assert_eq!(plan, SyncPlan { root: 1, commits: 7, receivers: vec![0, 2, 4] });
+    }
+
+    #[test]
+    fn at_a_jobs_start_everyone_receives_rank_zeros_state() {
+        let plan = sync_plan(&held(&[(0, true), (0, true), (0, true)]));
+        assert_eq!(plan, SyncPlan { root: 0, commits: 0, receivers: vec![1, 2] });
+    }
+
+    #[test]
+    fn a_new_member_never_sources_even_when_no_one_committed() {
+        // Survivors of a failure before the first commit still hold the synchronized start.
+        let plan = sync_plan(&held(&[(0, true), (0, false), (0, false)]));
+        assert_eq!(plan, SyncPlan { root: 1, commits: 0, receivers: vec![0] });
+    }
 
     #[test]
     fn sampler_neither_repeats_nor_skips_across_resizes() {

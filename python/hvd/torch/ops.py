@@ -13,164 +13,10 @@ from hvd._hvd import HorovodInternalError, HostsUpdatedInterrupt
 from hvd.torch.compression import Compression
 
 
-class _Op:
-    """A reduction, named as Horovod names it."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __repr__(self):
-        return "hvd." + self.name.capitalize()
-
-
-Average = _Op("average")
-Sum = _Op("sum")
-Min = _Op("min")
-Max = _Op("max")
-Product = _Op("product")
-Adasum = _Op("adasum")
-
-
-def init(comm=None, process_sets=None):
-    """Joins the job ``horovodrun`` started this process in; a world of one without it."""
-    if comm is not None:
-        raise ValueError("hvd.init(comm=...) is MPI's; hvd runs without MPI")
-    _hvd.init()
-    for ps in process_sets or []:
-        add_process_set(ps)
-
-
-def shutdown():
-    """Leaves the job cleanly."""
-    _hvd.shutdown()
-
-
-def is_initialized():
-    """Whether ``init()`` was called, and ``shutdown()`` not since."""
-    return _hvd.is_initialized()
-
-
-def rank():
-    """This process's rank in the job."""
-    return _hvd.topology()[0]
-
-
-def size():
-    """The number of processes in the job."""
-    return _hvd.topology()[1]
-
-
-def local_rank():
-    """This process's rank among those on its host."""
-    return _hvd.topology()[2]
-
-
-def local_size():
-    """The number of processes on this host."""
-    return _hvd.topology()[3]
-
-
-def cross_rank():
-    """This host's index among the hosts with a process of this local rank."""
-    return _hvd.topology()[4]
-
-
-def cross_size():
-    """The number of hosts with a process of this local rank."""
-    return _hvd.topology()[5]
-
-
-def is_homogeneous():
-    """Whether every host runs the same number of processes."""
-    return _hvd.topology()[6]
-
-
-def gloo_built():
-    """True: hvd's transport is its own TCP and shared-memory collectives, Gloo's role."""
-    return True
-
-
-def nccl_built():
-    """False: this build has no NCCL path."""
-    return False
-
-
-def mpi_built():
-    """False: hvd runs without MPI."""
-    return False
-
-
-def mpi_enabled():
-    """False: hvd runs without MPI."""
-    return False
-
-
-class ProcessSet:
-    """A subset of the ranks that collectives can run among (``process_set=``). Create it on
-    every rank with ``add_process_set``; ``global_process_set`` is the whole job."""
-
-    def __init__(self, ranks):
-        self.ranks = sorted(int(r) for r in ranks)
-        self.process_set_id = None
-
-    def included(self):
-        """Whether this rank is a member."""
-        return self is global_process_set or rank() in self.ranks
-
-    def rank(self):
-        """This rank's index among the members."""
-        return rank() if self is global_process_set else self.ranks.index(rank())
-
-    def size(self):
-        """The number of members."""
-        return size() if self is global_process_set else len(self.ranks)
-
-    def __repr__(self):
-        if self is global_process_set:
-            return "ProcessSet(global)"
-        return f"ProcessSet(id={self.process_set_id}, ranks={self.ranks})"
-
-
-global_process_set = ProcessSet([])
-
-
-def add_process_set(process_set):
-    """Creates ``process_set`` (a ``ProcessSet`` or a list of ranks) on this rank; every rank
-    must call it with the same ranks, in the same order of calls. Returns the set."""
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps.process_set_id is not None:
-        raise ValueError(f"{ps!r} was added already")
-    ps.process_set_id, ps.ranks = _hvd.add_process_set(ps.ranks)
-    return ps
-
-
-def remove_process_set(process_set):
-    """Removes ``process_set`` on this rank; every rank should remove it too."""
-    if process_set is global_process_set or process_set.process_set_id is None:
-        raise ValueError(f"{process_set!r} is not an added process set")
-    _hvd.remove_process_set(process_set.process_set_id)
-    process_set.process_set_id = None
-
-
-def _set_id(process_set):
-    """The native id of ``process_set``, or None for the whole job."""
-    if process_set is None or process_set is global_process_set:
-        return None
-    if not isinstance(process_set, ProcessSet) or process_set.process_set_id is None:
-        raise ValueError(f"{process_set!r} is not an added process set: call "
-                         f"hvd.add_process_set first")
-    return process_set.process_set_id
-
-
-class _Done:
-    """The handle of an op that already ran (asynchronous calls on a process set run at
-    once: the background engine serves the whole job)."""
-
-    def poll(self):
-        return True
-
-    def wait(self):
-        return None
+from hvd.common import arrays as _arrays
+from hvd.common.basics import *  # noqa: F401,F403
+from hvd.common.basics import _Op, _set_id, _where  # noqa: F401
+from hvd.common.handles import _Done, _handle, _handles, _name, _ran, _unnamed, poll, synchronize  # noqa: F401
 
 
 def _dtype_name(tensor):
@@ -341,31 +187,6 @@ def stop_timeline():
     _hvd.stop_timeline()
 
 
-# Asynchronous ops: the background engine matches them across ranks by name and fuses
-# allreduces that are ready together. A handle is an int, as in Horovod.
-_handles = {}
-_next_handle = [0]
-_unnamed = {}
-
-
-def _name(kind, name):
-    """``name``, or the next generated one: every rank submits its unnamed ops of a kind in
-    the same order, so the generated names match."""
-    if name is not None:
-        return str(name)
-    _unnamed[kind] = _unnamed.get(kind, 0) + 1
-    return f"{kind}.noname.{_unnamed[kind]}"
-
-
-def _handle(native, complete):
-    """Registers the op ``native`` (with ``poll()`` and ``wait()``) and returns its handle;
-    ``complete()`` waits for it and gives what ``synchronize`` returns."""
-    _next_handle[0] += 1
-    h = _next_handle[0]
-    _handles[h] = (native, complete)
-    return h
-
-
 def _submit(tensor, submit, finish):
     """Lends ``tensor``'s memory to ``submit(address, count, dtype, owner)`` (a contiguous
     CPU copy when it is not one itself) and returns the handle; ``finish(tensor)`` runs when
@@ -399,28 +220,6 @@ def _produced(native, rest, row_len, dtype, device):
         return out.to(device), counts
 
     return complete
-
-
-def _ran(result):
-    """The handle of an op that already ran, giving ``result``."""
-    return _handle(_Done(), lambda: result)
-
-
-def poll(handle):
-    """Whether the op of ``handle`` has finished; never blocks."""
-    if handle not in _handles:
-        raise ValueError(f"unknown handle {handle}: already synchronized, or never returned")
-    return _handles[handle][0].poll()
-
-
-def synchronize(handle):
-    """Waits for the op of ``handle`` and returns its output: the tensor (an alltoall's
-    with the row counts received from each rank)."""
-    try:
-        _, complete = _handles.pop(handle)
-    except KeyError:
-        raise ValueError(f"unknown handle {handle}: already synchronized, or never returned")
-    return complete()
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -472,23 +271,9 @@ def _prod(dims):
     return out
 
 
-def _where(process_set):
-    """(native set id or None, this rank's index there, the number of members)."""
-    sid = _set_id(process_set)
-    if sid is None:
-        return None, rank(), size()
-    if not process_set.included():
-        raise RuntimeError(f"rank {rank()} is not in process set {process_set.process_set_id} "
-                           f"(ranks {process_set.ranks})")
-    return sid, process_set.rank(), process_set.size()
-
-
-def _gather_counts(count, sid=None, n=None):
-    """Every rank's ``count``, in rank order (of process set ``sid``'s ranks if given)."""
-    mine = _torch.tensor([count], dtype=_torch.int64)
-    out = _torch.zeros(size() if n is None else n, dtype=_torch.int64)
-    _hvd.allgather_into(mine.data_ptr(), 1, "int64", 1, out.data_ptr(), out.numel(), sid)
-    return [int(c) for c in out]
+def _gather_counts(count, process_set=None):
+    """Every rank's ``count``, in rank order (of ``process_set``'s ranks if given)."""
+    return _arrays.gather_counts(count, process_set)
 
 
 def allgather(tensor, name=None, process_set=None):
@@ -499,7 +284,7 @@ def allgather(tensor, name=None, process_set=None):
     rows, row_len = _rows(t)
     if row_len == 0:
         raise ValueError("allgather of rows with no elements")
-    counts = _gather_counts(rows, sid, n)
+    counts = _gather_counts(rows, process_set)
     shape = (sum(counts),) + tuple(t.shape[1:])
     out = _torch.empty(shape, dtype=t.dtype)
     _hvd.allgather_into(t.data_ptr(), t.numel(), _dtype_name(t), row_len, out.data_ptr(),
@@ -525,19 +310,7 @@ def allgather_async(tensor, name=None, process_set=None):
 
 def allgather_object(obj, name=None, process_set=None):
     """Returns every rank's ``obj`` (any picklable object), in rank order."""
-    import pickle
-
-    sid, _, n = _where(process_set)
-    payload = torch_bytes(pickle.dumps(obj))
-    counts = _gather_counts(payload.numel(), sid, n)
-    out = _torch.empty(sum(counts), dtype=_torch.uint8)
-    _hvd.allgather_into(payload.data_ptr(), payload.numel(), "uint8", 1, out.data_ptr(),
-                        out.numel(), sid)
-    objs, at = [], 0
-    for c in counts:
-        objs.append(pickle.loads(out[at:at + c].numpy().tobytes()))
-        at += c
-    return objs
+    return _arrays.allgather_object(obj, process_set)
 
 
 def _splits(splits, rows, n):
@@ -669,24 +442,7 @@ def _reducescatter_op(op):
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Returns ``root_rank``'s ``obj`` (any picklable object) on every rank (of
     ``process_set``; ``root_rank`` is a rank of the whole job)."""
-    import io
-    import pickle
-
-    if rank() == root_rank:
-        payload = torch_bytes(pickle.dumps(obj))
-        length = _torch.tensor([payload.numel()], dtype=_torch.int64)
-    else:
-        length = _torch.zeros(1, dtype=_torch.int64)
-    broadcast_(length, root_rank, process_set=process_set)
-    if rank() != root_rank:
-        payload = _torch.zeros(int(length.item()), dtype=_torch.uint8)
-    broadcast_(payload, root_rank, process_set=process_set)
-    return pickle.load(io.BytesIO(payload.numpy().tobytes()))
-
-
-def torch_bytes(b):
-    """``b`` as a uint8 tensor."""
-    return _torch.frombuffer(bytearray(b), dtype=_torch.uint8)
+    return _arrays.broadcast_object(obj, root_rank, process_set)
 
 
 def broadcast_optimizer_state(optimizer, root_rank):

@@ -1,0 +1,205 @@
+"""Elastic training for every framework, as Horovod's ``horovod.common.elastic``: state that
+survives membership changes, and the ``run`` decorator that drives them.
+
+The rendezvous, the new round's mesh and the sync decision stay in hvd's Rust core
+(``hvd::elastic``); this module keeps the framework's objects and the loop's Python side.
+A framework's state says only how its objects are saved, restored and broadcast
+(``hvd.torch.elastic.TorchState``, ``hvd.tensorflow.elastic.TensorFlowKerasState``,
+``hvd.keras.elastic.KerasState``). The rules are the core's:
+
+- the state comes from the lowest rank holding the newest commit, and only ranks that lack
+  it receive it: new members always, survivors only when they are behind, so after a peer
+  failure that left every survivor at the same commit nothing is sent at all;
+- a peer failure rolls every survivor back to its last commit;
+- a host change moves every rank on at the same step without rolling back;
+- the reset callbacks run after every change, and on the first pass of a worker that joined
+  a job past its first round.
+"""
+
+import copy
+import functools
+import sys
+
+from hvd import _hvd
+from hvd._hvd import HorovodInternalError, HostsUpdatedInterrupt
+from hvd.common import arrays as _arrays
+from hvd.common import handles as _handles
+
+# Functions that turn a framework's wrapping of a collective's error back into hvd's: each
+# takes an exception and returns a ``HorovodInternalError`` or ``HostsUpdatedInterrupt`` for
+# it, or None. TensorFlow wraps what a collective raises inside ``tf.function`` in its own.
+_translators = []
+
+
+def register_error_translator(translate):
+    """Adds ``translate(exception) -> HorovodInternalError | HostsUpdatedInterrupt | None``,
+    consulted by ``run`` for exceptions that are not hvd's own."""
+    if translate not in _translators:
+        _translators.append(translate)
+
+
+def _translated(e):
+    if isinstance(e, (HorovodInternalError, HostsUpdatedInterrupt)):
+        return e
+    for translate in _translators:
+        out = translate(e)
+        if out is not None:
+            return out
+    return None
+
+
+class State:
+    """State to commit, restore and synchronize. A subclass says what it holds by
+    ``save()`` (copy the current values aside), ``restore()`` (return to that copy) and
+    ``_sync_from(root)`` (take rank ``root``'s current values, on every rank)."""
+
+    def __init__(self):
+        self._commits = 0
+        # Never synchronized: this worker's values are only its own start.
+        self._fresh = True
+        self._handled_update = 0
+        self._reset_callbacks = []
+
+    def register_reset_callbacks(self, callbacks):
+        """Adds functions called after every membership change, once the state is
+        synchronized and before training resumes."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self):
+        """Runs the reset callbacks."""
+        for cb in self._reset_callbacks:
+            cb()
+
+    def commit(self):
+        """Saves the current state as the one to return to after a failure, then checks for
+        host updates (raising ``HostsUpdatedInterrupt`` on every rank at the same step)."""
+        self.save()
+        self._commits += 1
+        _hvd.count_step()
+        self.check_host_updates()
+
+    def check_host_updates(self):
+        """Raises ``HostsUpdatedInterrupt`` on every rank at once when the driver announced a
+        host change to any of them; every rank must call it at the same point."""
+        newest = _hvd.newest_update()
+        if newest > self._handled_update:
+            self._handled_update = newest
+            raise HostsUpdatedInterrupt(f"hosts updated (update {newest})")
+
+    def sync(self):
+        """Makes every rank hold the newest committed state, sending it only to the ranks
+        that lack it (the core decides: ``hvd::elastic::sync_plan``)."""
+        root, commits, receivers = _hvd.sync_plan(self._commits, self._fresh)
+        if receivers:
+            self._sync_from(root)
+            if _hvd.topology()[0] in receivers:
+                self.save()
+        self._commits = commits
+        self._fresh = False
+        self._handled_update = max(self._handled_update, _hvd.updates_through())
+        _hvd.report_synced()
+
+    def save(self):
+        """Copies the current values aside, as the state to return to."""
+        raise NotImplementedError
+
+    def restore(self):
+        """Returns the values to the last ``save()``."""
+        raise NotImplementedError
+
+    def _sync_from(self, root):
+        """Replaces the current values on every rank with rank ``root``'s."""
+        raise NotImplementedError
+
+    def _forget_pending(self):
+        """Drops what a failed round left in flight (an optimizer's pending reductions)."""
+
+
+def _stateful(v):
+    """Values kept in place through their ``state_dict`` (a sampler a data loader holds)."""
+    return hasattr(v, "state_dict") and hasattr(v, "load_state_dict")
+
+
+class ObjectState(State):
+    """State of plain attributes (any picklable values): ``state.epoch``, ``state.batch``;
+    a value with ``state_dict``/``load_state_dict`` (a sampler) is kept through them, in
+    place."""
+
+    def __init__(self, **kwargs):
+        self._values = dict(kwargs)
+        super().__init__()
+        for k, v in kwargs.items():
+            setattr(self, k, v)
+        self._saved = {}
+        self.save()
+
+    def _snapshot(self):
+        out = {}
+        for k in self._values:
+            v = getattr(self, k)
+            out[k] = ("state_dict", v.state_dict()) if _stateful(v) else ("value", v)
+        return out
+
+    def _apply(self, snapshot):
+        for k, (kind, v) in snapshot.items():
+            if kind == "state_dict":
+                getattr(self, k).load_state_dict(v)
+            else:
+                setattr(self, k, v)
+
+    def save(self):
+        self._saved = copy.deepcopy(self._snapshot())
+
+    def restore(self):
+        self._apply(copy.deepcopy(self._saved))
+
+    def _sync_from(self, root):
+        self._apply(_arrays.broadcast_object(self._snapshot(), root))
+
+
+def run(func):
+    """Decorates ``func(state, *args, **kwargs)`` to run elastically: the state is
+    synchronized before every call; on a peer failure every rank restores its last commit,
+    on a host change it keeps its values, then it joins the driver's next round and calls
+    ``func`` again. A worker the driver no longer needs exits 0."""
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        # A worker that joins a job past its first round has missed the resets before it.
+        reset = _hvd.generation() > 1
+        while True:
+            try:
+                state.sync()
+                if reset:
+                    _hvd.restore_process_sets()
+                    state.on_reset()
+                return func(state, *args, **kwargs)
+            except Exception as raised:  # noqa: BLE001 (only hvd's own are handled)
+                e = _translated(raised)
+                if e is None:
+                    raise
+                if isinstance(e, HostsUpdatedInterrupt):
+                    # Every rank raised it at the same step: keep the current values.
+                    state.save()
+                    state._commits += 1
+                else:
+                    state.restore()
+                reason = str(e)
+            _handles.forget_all()
+            state._forget_pending()
+            while True:
+                try:
+                    removed = _hvd.rejoin(reason)
+                    break
+                except HorovodInternalError:
+                    continue  # a peer died while the new round connected: the next one
+            if removed is not None:
+                print(f"hvd: removed from the job ({removed}); exiting", file=sys.stderr)
+                sys.exit(0)
+            reset = True
+
+    return wrapper
+
+
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",
+           "register_error_translator", "run"]
