@@ -22,6 +22,20 @@ Product = _Op("product")
 Adasum = _Op("adasum")
 
 
+def _op_of(average, op):
+    """The reduction Horovod's ``op``/deprecated ``average`` arguments name (default: the
+    average); a clear error for anything else."""
+    if average is not None:
+        if op is not None:
+            raise ValueError("pass either op or the deprecated average, not both")
+        return Average if average else Sum
+    op = Average if op is None else op
+    if not isinstance(op, _Op):
+        raise ValueError(f"unknown reduction {op!r}: use hvd.Average, Sum, Min, Max, Product "
+                         f"or Adasum")
+    return op
+
+
 def init(comm=None, process_sets=None):
     """Joins the job ``horovodrun`` started this process in; a world of one without it."""
     if comm is not None:

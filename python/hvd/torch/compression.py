@@ -2,31 +2,15 @@
 
 import torch
 
-
-class NoneCompressor:
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+from hvd.common.compression import CastCompressor, NoneCompressor
 
 
-class FP16Compressor:
+class FP16Compressor(CastCompressor):
     """Sends floating-point tensors as float16, halving their bytes."""
 
-    @staticmethod
-    def compress(tensor):
-        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
-            return tensor.to(torch.float16), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else tensor.to(ctx)
+    wire = torch.float16
+    floating = staticmethod(lambda t: t.dtype.is_floating_point)
+    cast = staticmethod(lambda t, dtype: t.to(dtype))
 
 
 class Compression:

@@ -15,7 +15,7 @@ from hvd.torch.compression import Compression
 
 from hvd.common import arrays as _arrays
 from hvd.common.basics import *  # noqa: F401,F403
-from hvd.common.basics import _Op, _set_id, _where  # noqa: F401
+from hvd.common.basics import _Op, _op_of, _set_id, _where  # noqa: F401
 from hvd.common.handles import _Done, _handle, _handles, _name, _ran, _unnamed, poll, synchronize  # noqa: F401
 
 
@@ -41,18 +41,6 @@ def _in_place(tensor, run):
         with _torch.no_grad():
             tensor.copy_(work)
     return tensor
-
-
-def _op_of(average, op):
-    if average is not None:
-        if op is not None:
-            raise ValueError("pass either op or the deprecated average, not both")
-        return Average if average else Sum
-    op = Average if op is None else op
-    if not isinstance(op, _Op):
-        raise ValueError(f"unknown reduction {op!r}: use hvd.Average, Sum, Min, Max, Product "
-                         f"or Adasum")
-    return op
 
 
 def _check_op(tensor, op):
@@ -257,18 +245,28 @@ def _contiguous_cpu(tensor):
     return tensor.detach().to("cpu").contiguous()
 
 
+def _as_array(tensor):
+    """A contiguous CPU copy of ``tensor`` when it is not one already, as a numpy view of
+    its memory and the dtype name the native module sees (numpy has no bfloat16: such a
+    tensor is lent as its 16-bit pattern)."""
+    t = _contiguous_cpu(tensor).detach()
+    if t.dtype == _torch.bfloat16:
+        return t.view(_torch.int16).numpy(), "bfloat16"
+    return t.numpy(), None
+
+
+def _from_array(array, like):
+    """The numpy ``array`` returned by ``hvd.common.arrays`` as a tensor of ``like``'s dtype
+    (sharing its memory), moved to ``like``'s device."""
+    out = _torch.from_numpy(array)
+    if like.dtype == _torch.bfloat16:
+        out = out.view(_torch.bfloat16)
+    return out.to(like.device)
+
+
 def _rows(t):
     """``t`` as rows along its first dimension: (rows, elements per row)."""
-    if t.dim() == 0:
-        return 1, 1
-    return t.shape[0], (t[0].numel() if t.shape[0] else int(_prod(t.shape[1:])))
-
-
-def _prod(dims):
-    out = 1
-    for d in dims:
-        out *= d
-    return out
+    return _arrays.rows(tuple(t.shape))
 
 
 def _gather_counts(count, process_set=None):
@@ -279,17 +277,8 @@ def _gather_counts(count, process_set=None):
 def allgather(tensor, name=None, process_set=None):
     """Concatenates every rank's ``tensor`` along its first dimension, in rank order; the
     first dimension may differ between ranks, the others may not."""
-    sid, _, n = _where(process_set)
-    t = _contiguous_cpu(tensor)
-    rows, row_len = _rows(t)
-    if row_len == 0:
-        raise ValueError("allgather of rows with no elements")
-    counts = _gather_counts(rows, process_set)
-    shape = (sum(counts),) + tuple(t.shape[1:])
-    out = _torch.empty(shape, dtype=t.dtype)
-    _hvd.allgather_into(t.data_ptr(), t.numel(), _dtype_name(t), row_len, out.data_ptr(),
-                        out.numel(), sid)
-    return out.to(tensor.device)
+    array, dtype = _as_array(tensor)
+    return _from_array(_arrays.allgather(array, process_set, dtype), tensor)
 
 
 def allgather_async(tensor, name=None, process_set=None):
@@ -313,38 +302,13 @@ def allgather_object(obj, name=None, process_set=None):
     return _arrays.allgather_object(obj, process_set)
 
 
-def _splits(splits, rows, n):
-    """``alltoall``'s ``splits`` as a list of ``n`` row counts (equal parts when ``None``),
-    checked against the ``rows`` of the tensor."""
-    if splits is None:
-        if rows % n:
-            raise ValueError(f"alltoall without splits needs a first dimension divisible by "
-                             f"the {n} ranks, not {rows}")
-        splits = [rows // n] * n
-    splits = [int(x) for x in (splits.tolist() if isinstance(splits, _torch.Tensor)
-                               else splits)]
-    if len(splits) != n or any(x < 0 for x in splits) or sum(splits) != rows:
-        raise ValueError(f"alltoall splits {splits} must be {n} non-negative row counts "
-                         f"summing to the first dimension, {rows}")
-    return splits
-
-
 def alltoall(tensor, splits=None, name=None, process_set=None):
     """Sends ``splits[p]`` rows (first-dimension slices) of ``tensor`` to rank ``p`` (equal
     parts without ``splits``); returns what every rank sent here, in rank order, and how many
     rows came from each."""
-    sid, _, n = _where(process_set)
-    t = _contiguous_cpu(tensor)
-    rows, row_len = _rows(t)
-    splits = _splits(splits, rows, n)
-    mine = _torch.tensor(splits, dtype=_torch.int64)
-    got = _torch.zeros(n, dtype=_torch.int64)
-    _hvd.alltoall_into(mine.data_ptr(), n, "int64", [1] * n, got.data_ptr(), n, sid)
-    received = [int(x) for x in got]
-    out = _torch.empty((sum(received),) + tuple(t.shape[1:]), dtype=t.dtype)
-    _hvd.alltoall_into(t.data_ptr(), t.numel(), _dtype_name(t), [x * row_len for x in splits],
-                       out.data_ptr(), out.numel(), sid)
-    return out.to(tensor.device), _torch.tensor(received, dtype=_torch.int32)
+    array, dtype = _as_array(tensor)
+    out, received = _arrays.alltoall(array, splits, process_set, dtype)
+    return _from_array(out, tensor), _torch.tensor(received, dtype=_torch.int32)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None):
@@ -356,7 +320,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None):
         return _ran(alltoall(tensor, splits=splits, name=name, process_set=process_set))
     t = _contiguous_cpu(tensor)
     rows, row_len = _rows(t)
-    splits = _splits(splits, rows, n)
+    splits = _arrays.splits_of(splits, rows, n)
     native = _hvd.alltoall_async(t.data_ptr(), t.numel(), _dtype_name(t),
                                  [x * row_len for x in splits], _name("alltoall", name))
     produced = _produced(native, tuple(t.shape[1:]), row_len, t.dtype, tensor.device)
@@ -402,31 +366,12 @@ def reducescatter(tensor, name=None, op=None, process_set=None, prescale_factor=
     of the result along the first dimension; the first ``rows % size`` ranks get one row
     more. Each rank receives only its slice: the reduction is scattered as it runs."""
     op = _reducescatter_op(op)
-    sid, r, n = _where(process_set)
     t = _contiguous_cpu(tensor)
-    if t.dim() == 0:
-        raise ValueError("reducescatter of a 0-dimensional tensor: it has no rows to scatter")
-    rows = t.shape[0]
-    base, extra = divmod(rows, n)
-    mine = base + (1 if r < extra else 0)
-    if extra:
-        # The engine scatters equal blocks of elements: give every rank's rows a block of the
-        # same size, padding the ranks with a row fewer by one row (of zeros, then dropped).
-        width = base + 1
-        padded = _torch.zeros((n * width,) + tuple(t.shape[1:]), dtype=t.dtype)
-        for p in range(n):
-            start, count = p * base + min(p, extra), base + (1 if p < extra else 0)
-            padded[p * width:p * width + count] = t[start:start + count]
-        t, block = padded, width
-    else:
-        block = base
     if prescale_factor != 1.0:
         t = t.clone() if t is tensor else t
         _scale(t, prescale_factor, "prescale_factor")
-    out = _torch.empty((block,) + tuple(t.shape[1:]), dtype=t.dtype)
-    _hvd.reducescatter_into(t.data_ptr(), t.numel(), _dtype_name(t), op.name, out.data_ptr(),
-                            out.numel(), sid)
-    out = out[:mine]
+    array, dtype = _as_array(t)
+    out = _from_array(_arrays.reducescatter(array, op.name, process_set, dtype), t)
     _scale(out, postscale_factor, "postscale_factor")
     return out.to(tensor.device)
 

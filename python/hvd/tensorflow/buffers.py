@@ -1,0 +1,198 @@
+"""How TensorFlow tensors reach hvd's native collectives and come back.
+
+A collective is written once as a *kernel*: a function from numpy arrays to numpy arrays
+over ``hvd.common.arrays`` and the native module. ``run`` calls it on an eager tensor's own
+memory, or, inside ``tf.function``, as a stateful ``tf.numpy_function`` node (TensorFlow
+orders stateful nodes as the program wrote them, so every rank calls its collectives in
+the same order).
+
+Copies, measured on TensorFlow 2.21 (CPU):
+
+- in: none. ``EagerTensor._numpy()`` is a view of the tensor's buffer (``numpy()`` would
+  copy it); a ``tf.numpy_function`` hands its kernel views of its inputs likewise. Kernels
+  never write into them.
+- out: none. A kernel's result array becomes a tensor through DLPack
+  (``tf.experimental.dlpack.from_dlpack``), which keeps the array's memory; bfloat16, which
+  DLPack does not carry, goes as its 16-bit pattern and a ``tf.bitcast``, which shares the
+  buffer too. Inside ``tf.function``, ``numpy_function`` wraps the returned array. Outputs
+  are allocated 64-byte aligned (``hvd.common.arrays.empty``): TensorFlow's kernels abort
+  on memory that Eigen's vectors cannot read.
+- an allreduce or broadcast copies its input once, into the output it reduces in place:
+  TensorFlow's tensors are immutable, so the result needs memory of its own (Horovod's op
+  allocates its output and copies into it as well).
+- ``broadcast_variables`` assigns the received values to the variables (one copy on the
+  receiving ranks; the root's variables are lent as they are).
+- tensors on another device than the CPU are staged through host memory.
+"""
+
+import numpy as _np
+import tensorflow as tf
+
+from hvd._hvd import HorovodInternalError, HostsUpdatedInterrupt
+from hvd.common import arrays as _arrays
+from hvd.common.basics import Adasum
+
+# The element types hvd's collectives reduce.
+REDUCIBLE = ("uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+
+try:
+    from tensorflow.python.eager import record as _record
+
+    def _recording():
+        return _record.could_possibly_record()
+except ImportError:  # pragma: no cover (older TensorFlow)
+    def _recording():
+        return True
+
+
+def reducible(tensor, what, op=None):
+    """Raises a clear error unless hvd can reduce ``tensor``'s element type with ``op``."""
+    dtype = tf.as_dtype(tensor.dtype)
+    if dtype.name not in REDUCIBLE:
+        raise TypeError(f"hvd.tensorflow.{what} cannot reduce tensors of dtype {dtype.name}: "
+                        f"hvd reduces {', '.join(REDUCIBLE)}")
+    if op is Adasum and not dtype.is_floating:
+        raise TypeError(f"hvd.Adasum combines floating-point tensors, not {dtype.name}")
+
+
+def movable(tensor, what):
+    """Raises a clear error unless ``tensor``'s elements can be moved as bytes."""
+    dtype = tf.as_dtype(tensor.dtype)
+    if dtype in (tf.string, tf.resource, tf.variant):
+        raise TypeError(f"hvd.tensorflow.{what} moves fixed-size elements, not {dtype.name}: "
+                        f"use broadcast_object or allgather_object for such values")
+
+
+def scalable(tensor, factor, which):
+    """Raises a clear error for a scale factor on tensors that are not floating point."""
+    if factor != 1.0 and not tf.as_dtype(tensor.dtype).is_floating:
+        raise TypeError(f"{which} applies to floating-point tensors, not "
+                        f"{tf.as_dtype(tensor.dtype).name}")
+
+
+def as_tensor(value):
+    """``value`` (a tensor, variable, array or number) as a tensor; variables are read."""
+    if isinstance(value, tf.Tensor):
+        return value
+    return tf.convert_to_tensor(value)
+
+
+def array_of(tensor):
+    """An eager tensor's memory as a numpy array (its own buffer when on the CPU)."""
+    try:
+        return tensor._numpy()
+    except AttributeError:
+        return as_tensor(tensor)._numpy()
+
+
+def aligned_copy(array):
+    """A C-contiguous copy of ``array`` in memory TensorFlow's kernels can read in place."""
+    out = _arrays.empty(array.shape, array.dtype)
+    _np.copyto(out, array)
+    return out
+
+
+def tensor_of(array):
+    """A numpy array as an eager tensor over the same memory (over a copy where it is not
+    aligned as TensorFlow's kernels require: the kernels here allocate aligned outputs)."""
+    if not array.flags.c_contiguous or _arrays.address(array) % _arrays.ALIGN:
+        array = aligned_copy(array)
+    if array.dtype.name == "bfloat16":
+        bits = tf.experimental.dlpack.from_dlpack(array.view(_np.uint16).__dlpack__())
+        return tf.bitcast(bits, tf.bfloat16)
+    try:
+        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+    except Exception:  # noqa: BLE001 (an element type DLPack lacks: copied)
+        return tf.convert_to_tensor(array)
+
+
+def native(array):
+    """``array`` as the native module takes it, and how to turn a result back: itself for the
+    element types hvd knows, else its bytes (rows of them along the first dimension), for
+    collectives that only move elements."""
+    if array.dtype.name in REDUCIBLE:
+        return array, lambda out: out
+    shape = array.shape
+    count, row_len = _arrays.rows(shape)
+    wire = _arrays.contiguous(array).reshape(count, row_len).view(_np.uint8)
+
+    def back(out):
+        return out.view(array.dtype).reshape((-1,) + tuple(shape[1:]))
+
+    return wire, back
+
+
+# The collective error a graph kernel raised last: TensorFlow wraps it in an OpError, and
+# ``translate`` gives it back to ``hvd.elastic.run``.
+_last_error = [None]
+
+
+def _guarded(kernel):
+    def run_kernel(*arrays):
+        try:
+            return kernel(*arrays)
+        except (HorovodInternalError, HostsUpdatedInterrupt) as e:
+            _last_error[0] = e
+            raise
+
+    return run_kernel
+
+
+def translate(error):
+    """The ``HorovodInternalError`` or ``HostsUpdatedInterrupt`` that a collective raised
+    inside ``tf.function``, for the ``tf.errors.OpError`` TensorFlow wrapped it in; None for
+    other errors."""
+    if not isinstance(error, tf.errors.OpError):
+        return None
+    for cls in (HostsUpdatedInterrupt, HorovodInternalError):
+        if cls.__name__ in (error.message or ""):
+            last = _last_error[0]
+            _last_error[0] = None
+            return last if isinstance(last, cls) else cls(error.message)
+    return None
+
+
+def run(kernel, inputs, dtypes, shapes, name):
+    """Runs ``kernel(*arrays) -> list of arrays`` on the tensors ``inputs``: directly when
+    executing eagerly, else as a graph node named ``name`` whose outputs have ``dtypes`` and
+    the static ``shapes`` known (None where unknown). Returns the output tensors."""
+    if tf.executing_eagerly():
+        outs = kernel(*[array_of(t) for t in inputs])
+        return [tensor_of(o) for o in outs]
+    outs = tf.numpy_function(_guarded(kernel), list(inputs), list(dtypes), stateful=True,
+                             name=name)
+    if not isinstance(outs, (list, tuple)):
+        outs = [outs]
+    for o, s in zip(outs, shapes):
+        if s is not None:
+            o.set_shape(s)
+    return list(outs)
+
+
+def differentiable(forward, inputs, grad):
+    """``forward(*inputs)`` (a list of tensors) with ``grad(outputs, *output_grads)`` as its
+    gradient where a tape or a graph may need one; eager calls that no tape records skip
+    the bookkeeping."""
+    if tf.executing_eagerly() and not _recording():
+        return forward(*inputs)
+
+    @tf.custom_gradient
+    def op(*xs):
+        ys = forward(*xs)
+
+        def backward(*dys):
+            dys = [tf.zeros_like(y) if d is None else d for y, d in zip(ys, dys)]
+            return grad(ys, *dys)
+
+        return ys, backward
+
+    return list(op(*inputs))
+
+
+def on_device_of(tensor, out):
+    """``out`` moved to ``tensor``'s device when that is not the CPU."""
+    device = getattr(tensor, "device", "") or ""
+    if "GPU" in device.upper():
+        with tf.device(device):
+            return tf.identity(out)
+    return out
