@@ -34,7 +34,8 @@ pub fn example(name: &str) -> String {
     p.display().to_string()
 }
 
-/// One counter line: the worker id from the output prefix and the JSON event.
+/// One line a worker printed: the worker id from the output prefix and the JSON event (or,
+/// for a line that is not JSON, the text as a JSON string).
 #[derive(Debug, Clone)]
 pub struct Line {
     /// The worker id.
@@ -160,7 +161,9 @@ impl Job {
                     continue;
                 };
                 let worker = prefix.trim_start_matches('[').trim_end_matches(']');
-                if let (Ok(worker), Ok(v)) = (worker.parse(), serde_json::from_str(json)) {
+                // A line that is not JSON (a script's own print) is kept as a string.
+                let v = serde_json::from_str(json).unwrap_or_else(|_| json.into());
+                if let Ok(worker) = worker.parse() {
                     let at = Instant::now();
                     if tx.send(Line { worker, v, at }).is_err() {
                         break;
