@@ -96,6 +96,13 @@ fn the_distributed_optimizer_trains_as_one_process_on_the_union_of_the_batches()
     passes_on("optimizer.py", "optimizer", &[1, 2, 3]);
 }
 
+/// `TorchState` rolls back every kind of write since its commit, and never lends the
+/// commit's memory to the live model or optimizer.
+#[test]
+fn a_torch_state_rolls_back_exactly_what_changed_since_its_commit() {
+    passes_on("torch_state.py", "torch state", &[1]);
+}
+
 #[test]
 fn sync_batch_norm_normalizes_over_the_union_of_the_batches() {
     passes_on("sync_batch_norm.py", "sync_batch_norm", &[1, 2, 3]);

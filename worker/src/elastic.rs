@@ -154,7 +154,13 @@ pub struct SyncPlan {
 /// starts from one source and applies the same collective steps.
 pub fn sync_plan(members: &[Holding]) -> SyncPlan {
     let known = members.iter().any(|m| !m.fresh);
-    let counts = |m: &Holding| if known && m.fresh { None } else { Some(m.commits) };
+    let counts = |m: &Holding| {
+        if known && m.fresh {
+            None
+        } else {
+            Some(m.commits)
+        }
+    };
     let most = members.iter().filter_map(counts).max().unwrap_or(0);
     let root = members
         .iter()
@@ -521,26 +527,60 @@ mod tests {
     #[test]
     fn survivors_at_the_newest_commit_receive_nothing() {
         let plan = sync_plan(&held(&[(7, false), (7, false), (7, false)]));
-        assert_eq!(plan, SyncPlan { root: 0, commits: 7, receivers: vec![] });
+        assert_eq!(
+            plan,
+            SyncPlan {
+                root: 0,
+                commits: 7,
+                receivers: vec![]
+            }
+        );
     }
 
     #[test]
     fn new_members_and_survivors_behind_receive_from_the_lowest_newest() {
-        let plan = sync_plan(&held(&[(6, false), (7, false), (0, true), (7, false), (6, false)]));
-        assert_eq!(plan, SyncPlan { root: 1, commits: 7, receivers: vec![0, 2, 4] });
+        let plan = sync_plan(&held(&[
+            (6, false),
+            (7, false),
+            (0, true),
+            (7, false),
+            (6, false),
+        ]));
+        assert_eq!(
+            plan,
+            SyncPlan {
+                root: 1,
+                commits: 7,
+                receivers: vec![0, 2, 4]
+            }
+        );
     }
 
     #[test]
     fn at_a_jobs_start_everyone_receives_rank_zeros_state() {
         let plan = sync_plan(&held(&[(0, true), (0, true), (0, true)]));
-        assert_eq!(plan, SyncPlan { root: 0, commits: 0, receivers: vec![1, 2] });
+        assert_eq!(
+            plan,
+            SyncPlan {
+                root: 0,
+                commits: 0,
+                receivers: vec![1, 2]
+            }
+        );
     }
 
     #[test]
     fn a_new_member_never_sources_even_when_no_one_committed() {
         // Survivors of a failure before the first commit still hold the synchronized start.
         let plan = sync_plan(&held(&[(0, true), (0, false), (0, false)]));
-        assert_eq!(plan, SyncPlan { root: 1, commits: 0, receivers: vec![0] });
+        assert_eq!(
+            plan,
+            SyncPlan {
+                root: 1,
+                commits: 0,
+                receivers: vec![0]
+            }
+        );
     }
 
     #[test]

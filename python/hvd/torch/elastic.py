@@ -15,30 +15,98 @@ from hvd.elastic import (HorovodInternalError, HostsUpdatedInterrupt, ObjectStat
 from hvd.torch import ops as _ops
 
 
-def _clone(value, into=None):
-    """A copy of a ``state_dict``: tensors copied into the tensors of the previous copy
-    ``into`` where their shapes and types still match (no fresh memory to fault in), cloned
-    otherwise; containers rebuilt; other values deep-copied."""
-    if isinstance(value, torch.Tensor):
-        if (isinstance(into, torch.Tensor) and into.shape == value.shape
-                and into.dtype == value.dtype and into.device == value.device):
-            return into.copy_(value.detach())
-        return value.detach().clone()
-    if isinstance(value, dict):
-        old = into if isinstance(into, dict) else {}
-        return type(value)((k, _clone(v, old.get(k))) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        old = into if isinstance(into, (list, tuple)) and len(into) == len(value) else \
-            [None] * len(value)
-        return type(value)(_clone(v, o) for v, o in zip(value, old))
-    return copy.deepcopy(value)
+class _Kept:
+    """A copy of one ``state_dict``, kept in the same tensors from one commit to the next (no
+    fresh memory to fault in), and written back into the live tensors in place."""
+
+    def __init__(self):
+        self.copy = None
+
+    def _clone(self, value, into):
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            if (isinstance(into, torch.Tensor) and into.shape == value.shape
+                    and into.dtype == value.dtype and into.device == value.device):
+                return into.copy_(value)
+            return value.clone()
+        if isinstance(value, dict):
+            old = into if isinstance(into, dict) else {}
+            return type(value)((k, self._clone(v, old.get(k))) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            old = into if isinstance(into, (list, tuple)) and len(into) == len(value) else \
+                [None] * len(value)
+            return type(value)(self._clone(v, o) for v, o in zip(value, old))
+        return copy.deepcopy(value)
+
+    def save(self, state_dict):
+        """Copies ``state_dict`` aside, into the tensors of the previous copy."""
+        self.copy = self._clone(state_dict, self.copy)
+
+    def restore_tensors(self, live, saved):
+        """Writes the tensors of ``saved`` (part of the copy) back into ``live``'s, in place;
+        False, with nothing written, when their layouts differ."""
+        pairs = []
+        if not _pairs(live, saved, pairs):
+            return False
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
+        return True
+
+    def loadable(self):
+        """The copy as a ``state_dict`` to load whole, sharing no memory with the copy kept."""
+        return self._clone(self.copy, None)
+
+
+def _pairs(live, saved, out):
+    """Collects the (live, saved) tensor pairs of two ``state_dict`` parts; False when their
+    layouts differ."""
+    if isinstance(live, torch.Tensor):
+        if not (isinstance(saved, torch.Tensor) and saved.shape == live.shape
+                and saved.dtype == live.dtype):
+            return False
+        out.append((live.detach(), saved))
+        return True
+    if isinstance(live, dict):
+        return (isinstance(saved, dict) and saved.keys() == live.keys()
+                and all(_pairs(live[k], saved[k], out) for k in live))
+    return True
+
+
+def _restore_module(module, kept):
+    if not kept.restore_tensors(module.state_dict(), kept.copy):
+        module.load_state_dict(kept.copy)
+
+
+def _restore_optimizer(opt, kept):
+    """Writes the optimizer's saved state back in place (its live state tensors, its other
+    state values and its groups' hyperparameters), or loads it whole when its layout moved."""
+    saved = kept.copy
+    params = [p for g in opt.param_groups for p in g["params"]]
+    live = opt.state_dict()
+    same = (len(saved["param_groups"]) == len(opt.param_groups)
+            and set(saved["state"]) == set(live["state"])
+            and kept.restore_tensors(live["state"], saved["state"]))
+    if not same:
+        # An optimizer loads the tensors it is given as its own: give it a copy.
+        opt.load_state_dict(kept.loadable())
+        return
+    for idx, entries in saved["state"].items():
+        for k, v in entries.items():
+            if not isinstance(v, torch.Tensor):
+                opt.state[params[idx]][k] = copy.deepcopy(v)
+    for group, kept_group in zip(opt.param_groups, saved["param_groups"]):
+        for k, v in kept_group.items():
+            if k != "params":
+                group[k] = copy.deepcopy(v)
 
 
 class TorchState(ObjectState):
     """State of a model and an optimizer (their ``state_dict``s) and any other attributes:
     modules and optimizers among them are kept the same way, a sampler through its
     ``state_dict`` (so an ``ElasticSampler`` keeps its place in the epoch), other values by
-    value."""
+    value. A commit copies the tensors into those of the previous commit, and a rollback
+    writes them back in place: the live tensors never share memory with the copy."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
         torch_kwargs = {"model": model, "optimizer": optimizer}
@@ -48,19 +116,21 @@ class TorchState(ObjectState):
                           if isinstance(v, torch.nn.Module)}
         self._optimizers_ = {k: v for k, v in torch_kwargs.items()
                              if isinstance(v, torch.optim.Optimizer)}
-        self._saved_torch = {}
+        self._kept = {k: _Kept() for k in {**self._modules_, **self._optimizers_}}
         super().__init__(**{k: v for k, v in kwargs.items() if k not in torch_kwargs})
         for k, v in torch_kwargs.items():
             setattr(self, k, v)
 
     def save(self):
-        self._saved_torch = {k: _clone(v.state_dict(), self._saved_torch.get(k))
-                             for k, v in {**self._modules_, **self._optimizers_}.items()}
+        for k, v in {**self._modules_, **self._optimizers_}.items():
+            self._kept[k].save(v.state_dict())
         super().save()
 
     def restore(self):
-        for k, v in {**self._modules_, **self._optimizers_}.items():
-            v.load_state_dict(self._saved_torch[k])
+        for k, v in self._modules_.items():
+            _restore_module(v, self._kept[k])
+        for k, v in self._optimizers_.items():
+            _restore_optimizer(v, self._kept[k])
         super().restore()
 
     def _forget_pending(self):
@@ -70,11 +140,24 @@ class TorchState(ObjectState):
                 reset()
 
     def _sync_from(self, root):
-        for module in self._modules_.values():
-            _ops.broadcast_parameters(module.state_dict(), root_rank=root)
-        for opt in self._optimizers_.values():
-            _ops.broadcast_optimizer_state(opt, root_rank=root)
-        super()._sync_from(root)
+        # One object broadcast (the optimizers' layouts and the plain values), then every
+        # tensor at once, fused by the engine.
+        layouts, snapshot = _ops.broadcast_object(
+            ({k: _ops._optimizer_layout(o) for k, o in self._optimizers_.items()},
+             self._snapshot()), root)
+        tensors, loads = [], []
+        for k, module in self._modules_.items():
+            tensors += [(f"sync.{k}.{name}", t) for name, t in sorted(module.state_dict().items())
+                        if isinstance(t, torch.Tensor)]
+        for k, opt in self._optimizers_.items():
+            named, load = _ops._optimizer_receiver(opt, layouts[k], f"sync.{k}")
+            tensors += named
+            loads.append(load)
+        _ops._broadcast_all(tensors, root)
+        if _ops.rank() != root:
+            for load in loads:
+                load()
+            self._apply(snapshot)
 
 
 class ElasticSampler(torch.utils.data.Sampler):

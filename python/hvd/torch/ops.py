@@ -37,10 +37,19 @@ def _in_place(tensor, run):
     work = tensor if direct else tensor.detach().to("cpu").contiguous()
     # ``work`` is referenced by this frame until ``run`` returns: its memory stays allocated.
     run(work.data_ptr(), work.numel(), _dtype_name(work))
-    if not direct:
+    if direct:
+        _written(tensor)
+    else:
         with _torch.no_grad():
             tensor.copy_(work)
     return tensor
+
+
+def _written(tensor):
+    """Tells PyTorch that ``tensor`` was written in place behind its back (by the native
+    collectives), as an in-place operator would: its version counter moves, so autograd
+    sees the write (and refuses a backward through a value it overwrote)."""
+    _torch.autograd.graph.increment_version(tensor)
 
 
 def _check_op(tensor, op):
@@ -186,7 +195,9 @@ def _submit(tensor, submit, finish):
 
     def complete():
         native.wait()
-        if not direct:
+        if direct:
+            _written(tensor)
+        else:
             with _torch.no_grad():
                 tensor.copy_(work)
         finish(tensor)
@@ -393,6 +404,16 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
 def broadcast_optimizer_state(optimizer, root_rank):
     """Copies ``optimizer``'s state and hyperparameters from ``root_rank`` to every rank:
     the layout (and non-tensor values) as an object, the state's tensors in place."""
+    layout = broadcast_object(_optimizer_layout(optimizer), root_rank)
+    tensors, load = _optimizer_receiver(optimizer, layout, "broadcast_optimizer_state")
+    _broadcast_all(tensors, root_rank)
+    if rank() != root_rank:
+        load()
+
+
+def _optimizer_layout(optimizer):
+    """What a rank needs to receive ``optimizer``'s state: each entry's tensor shape and
+    dtype or its value, and the parameter groups."""
     sd = optimizer.state_dict()
 
     def spec(v):
@@ -402,10 +423,18 @@ def broadcast_optimizer_state(optimizer, root_rank):
 
     layout = {idx: {k: spec(v) for k, v in entries.items()}
               for idx, entries in sd["state"].items()}
-    layout, groups = broadcast_object((layout, sd["param_groups"]), root_rank)
+    return layout, sd["param_groups"]
+
+
+def _optimizer_receiver(optimizer, layout, prefix):
+    """The ``(name, tensor)`` pairs to broadcast ``optimizer``'s state into, laid out as the
+    root's ``layout`` (this rank's own tensors where they fit), and the function that loads
+    them into the optimizer once they arrived."""
+    layout, groups = layout
+    mine_all = optimizer.state_dict()["state"]
     state, tensors = {}, []
     for idx, entries in layout.items():
-        mine = sd["state"].get(idx, {})
+        mine = mine_all.get(idx, {})
         state[idx] = {}
         for k, s in entries.items():
             if s[0] == "value":
@@ -416,10 +445,8 @@ def broadcast_optimizer_state(optimizer, root_rank):
                     or _dtype_name(t) != s[2]):
                 t = _torch.empty(s[1], dtype=getattr(_torch, s[2]))
             state[idx][k] = t
-            tensors.append((f"broadcast_optimizer_state.{idx}.{k}", t))
-    _broadcast_all(tensors, root_rank)
-    if rank() != root_rank:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+            tensors.append((f"{prefix}.{idx}.{k}", t))
+    return tensors, lambda: optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def broadcast_async_(tensor, root_rank, name=None):
