@@ -3,6 +3,8 @@ from TensorFlow 2.16 on). Horovod's Keras modules served Keras 2, whose optimize
 (``tf_keras``, ``tf.compat.v1``, ``tensorflow.python.keras``) work differently; they are
 refused here with an error that says so, rather than half working."""
 
+import os
+
 import keras
 
 # Where Keras 2 and TensorFlow 1 classes live: ``tf_keras`` (Keras 2 as a package of its
@@ -20,6 +22,14 @@ def _is_keras2(obj):
     return any(home == h or home.startswith(h + ".") for h in _KERAS2_HOMES)
 
 
+def _how():
+    """How to get Keras 3, for an error message."""
+    hint = "Build it with Keras 3 (`import keras`; tf.keras is Keras 3 from TensorFlow 2.16)"
+    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes"):
+        hint += "; TF_USE_LEGACY_KERAS is set, which makes tf.keras Keras 2: unset it"
+    return hint
+
+
 def require_optimizer(optimizer, what):
     """Raises ``TypeError`` naming Keras 3 unless ``optimizer`` is a Keras 3 optimizer
     (``keras.optimizers.Optimizer``); ``what`` names the caller in the message."""
@@ -29,8 +39,7 @@ def require_optimizer(optimizer, what):
         raise TypeError(
             f"{what} wraps Keras 3 optimizers (keras.optimizers.Optimizer, keras "
             f"{keras.__version__}); got {_home(optimizer)}, a Keras 2 / TensorFlow 1 "
-            f"optimizer. Build the optimizer with Keras 3 (`import keras`; tf.keras is Keras 3 "
-            f"from TensorFlow 2.16), e.g. keras.optimizers.SGD(...)")
+            f"optimizer. {_how()}")
     raise TypeError(f"{what} wraps a Keras 3 optimizer (keras.optimizers.Optimizer); got "
                     f"{_home(optimizer)}")
 
@@ -42,5 +51,4 @@ def require_model(model, what):
         return model
     kind = "a Keras 2 / TensorFlow 1 model" if _is_keras2(model) else "not a Keras 3 model"
     raise TypeError(f"{what} works with Keras 3 models (keras.Model, keras "
-                    f"{keras.__version__}); got {_home(model)}, {kind}. Build the model with "
-                    f"Keras 3 (`import keras`; tf.keras is Keras 3 from TensorFlow 2.16)")
+                    f"{keras.__version__}); got {_home(model)}, {kind}. {_how()}")
