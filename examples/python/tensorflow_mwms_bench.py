@@ -111,16 +111,21 @@ class Hvd:
         hvd = self.hvd
 
         @tf.function
-        def step(first_batch):
+        def batch():
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(loss_fn(target, model(data, training=True)))
             tape = hvd.DistributedGradientTape(tape)
             grads = tape.gradient(loss, model.trainable_variables)
             opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        def step(first_batch):
+            batch()
             if first_batch:
-                hvd.broadcast_variables(model.variables, root_rank=0)
+                # Rank 0's weights and optimizer state to every rank once the first step
+                # made them, as Horovod's benchmark does (here eagerly, outside the graph).
                 # Keras 3's optimizer variables are a property, Keras 2's a method.
                 variables = opt.variables
+                hvd.broadcast_variables(model.variables, root_rank=0)
                 hvd.broadcast_variables(variables() if callable(variables) else variables,
                                         root_rank=0)
 
