@@ -34,6 +34,25 @@ from hvd.common.basics import Adasum
 
 # The element types hvd's collectives reduce.
 REDUCIBLE = ("uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+_REDUCIBLE_TF = frozenset(tf.as_dtype(n) for n in REDUCIBLE)
+# numpy's ``dtype.name`` builds its string anew on every call: looked up here instead.
+_NAMES = {_np.dtype(tf.as_dtype(n).as_numpy_dtype): n for n in REDUCIBLE}
+
+
+def name_of(array):
+    """The native module's name of ``array``'s element type (None if it has none)."""
+    return _NAMES.get(array.dtype)
+
+try:
+    # Autograph leaves hvd alone, as it leaves TensorFlow and Keras: converting it would
+    # only slow tracing, and kernels defined in converted code would run every call through
+    # autograph's converter at run time.
+    from tensorflow.python.autograph.core import config as _autograph_config
+
+    _autograph_config.CONVERSION_RULES = (
+        (_autograph_config.DoNotConvert("hvd"),) + tuple(_autograph_config.CONVERSION_RULES))
+except (ImportError, AttributeError):  # pragma: no cover (a TensorFlow without these rules)
+    pass
 
 try:
     from tensorflow.python.eager import record as _record
@@ -47,8 +66,11 @@ except ImportError:  # pragma: no cover (older TensorFlow)
 
 def reducible(tensor, what, op=None):
     """Raises a clear error unless hvd can reduce ``tensor``'s element type with ``op``."""
-    dtype = tf.as_dtype(tensor.dtype)
-    if dtype.name not in REDUCIBLE:
+    dtype = tensor.dtype
+    if dtype in _REDUCIBLE_TF and op is not Adasum:
+        return
+    dtype = tf.as_dtype(dtype)
+    if dtype not in _REDUCIBLE_TF:
         raise TypeError(f"hvd.tensorflow.{what} cannot reduce tensors of dtype {dtype.name}: "
                         f"hvd reduces {', '.join(REDUCIBLE)}")
     if op is Adasum and not dtype.is_floating:
@@ -86,18 +108,20 @@ def array_of(tensor):
 
 
 def aligned_copy(array):
-    """A C-contiguous copy of ``array`` in memory TensorFlow's kernels can read in place."""
-    out = _arrays.empty(array.shape, array.dtype)
+    """A C-contiguous copy of ``array`` in memory TensorFlow's kernels can read in place, and
+    its address."""
+    out, at = _arrays.aligned(array.shape, array.dtype)
     _np.copyto(out, array)
-    return out
+    return out, at
 
 
-def tensor_of(array):
+def tensor_of(array, aligned=False):
     """A numpy array as an eager tensor over the same memory (over a copy where it is not
-    aligned as TensorFlow's kernels require: the kernels here allocate aligned outputs)."""
-    if not array.flags.c_contiguous or _arrays.address(array) % _arrays.ALIGN:
-        array = aligned_copy(array)
-    if array.dtype.name == "bfloat16":
+    known to be ``aligned`` as TensorFlow's kernels require and is not)."""
+    if not aligned and (not array.flags.c_contiguous
+                        or _arrays.address(array) % _arrays.ALIGN):
+        array = aligned_copy(array)[0]
+    if _NAMES.get(array.dtype) == "bfloat16":
         bits = tf.experimental.dlpack.from_dlpack(array.view(_np.uint16).__dlpack__())
         return tf.bitcast(bits, tf.bfloat16)
     try:
@@ -110,7 +134,7 @@ def native(array):
     """``array`` as the native module takes it, and how to turn a result back: itself for the
     element types hvd knows, else its bytes (rows of them along the first dimension), for
     collectives that only move elements."""
-    if array.dtype.name in REDUCIBLE:
+    if array.dtype in _NAMES:
         return array, lambda out: out
     shape = array.shape
     count, row_len = _arrays.rows(shape)
@@ -152,13 +176,14 @@ def translate(error):
     return None
 
 
-def run(kernel, inputs, dtypes, shapes, name):
+def run(kernel, inputs, dtypes, shapes, name, aligned=False):
     """Runs ``kernel(*arrays) -> list of arrays`` on the tensors ``inputs``: directly when
     executing eagerly, else as a graph node named ``name`` whose outputs have ``dtypes`` and
-    the static ``shapes`` known (None where unknown). Returns the output tensors."""
+    the static ``shapes`` known (None where unknown). Returns the output tensors. A kernel
+    whose outputs are all ``aligned`` saves checking them."""
     if tf.executing_eagerly():
         outs = kernel(*[array_of(t) for t in inputs])
-        return [tensor_of(o) for o in outs]
+        return [tensor_of(o, aligned) for o in outs]
     outs = tf.numpy_function(_guarded(kernel), list(inputs), list(dtypes), stateful=True,
                              name=name)
     if not isinstance(outs, (list, tuple)):

@@ -46,21 +46,30 @@ def _scale(array, factor):
         array *= array.dtype.type(factor)
 
 
-def _reduce_into(out, op, process_set):
-    """Reduces the contiguous array ``out`` in place across the ranks of ``process_set``."""
-    sid, _, _ = _where(process_set)
+def _sid(process_set):
+    """The native id of ``process_set`` (None for the whole job), checking that this rank
+    is a member."""
+    if process_set is global_process_set or process_set is None:
+        return None
+    return _where(process_set)[0]
+
+
+def _reduce_into(out, at, op, process_set):
+    """Reduces the contiguous array ``out`` (at address ``at``) in place across the ranks
+    of ``process_set``."""
+    sid = _sid(process_set)
     if sid is None:
-        _hvd.allreduce_(_arrays.address(out), out.size, out.dtype.name, op.name)
+        _hvd.allreduce_(at, out.size, _buf.name_of(out), op.name)
     else:
-        _hvd.allreduce_on_(sid, _arrays.address(out), out.size, out.dtype.name, op.name)
+        _hvd.allreduce_on_(sid, at, out.size, _buf.name_of(out), op.name)
     return out
 
 
 def _reduced(array, op, prescale, postscale, process_set):
     """A reduced copy of ``array``."""
-    out = _buf.aligned_copy(array)
+    out, at = _buf.aligned_copy(array)
     _scale(out, prescale)
-    _reduce_into(out, op, process_set)
+    _reduce_into(out, at, op, process_set)
     _scale(out, postscale)
     return out
 
@@ -79,7 +88,7 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
     def forward(x):
         return _buf.run(lambda a: [_reduced(a, op, prescale_factor, postscale_factor,
                                             process_set)],
-                        [x], [x.dtype], [x.shape], node)
+                        [x], [x.dtype], [x.shape], node, aligned=True)
 
     def grad(ys, dy):
         return _allreduce(dy, op=op, prescale_factor=prescale_factor,
@@ -143,19 +152,20 @@ def _grouped_kernel(op, prescale, postscale, process_set, name):
     flight before any is waited for); on a process set, one after another."""
 
     def kernel(*arrays):
-        outs = [_buf.aligned_copy(a) for a in arrays]
+        copies = [_buf.aligned_copy(a) for a in arrays]
+        outs = [o for o, _ in copies]
         for o in outs:
             _scale(o, prescale)
-        sid, _, _ = _where(process_set)
-        if sid is None:
+        if _sid(process_set) is None:
             base = _name("grouped_allreduce", name)
-            pending = [_hvd.allreduce_async_(_arrays.address(o), o.size, o.dtype.name, op.name,
-                                             f"{base}.{i}", o) for i, o in enumerate(outs)]
+            pending = [_hvd.allreduce_async_(at, o.size, _buf.name_of(o), op.name,
+                                             f"{base}.{i}", o)
+                       for i, (o, at) in enumerate(copies)]
             for p in pending:
                 p.wait()
         else:
-            for o in outs:
-                _reduce_into(o, op, process_set)
+            for o, at in copies:
+                _reduce_into(o, at, op, process_set)
         for o in outs:
             _scale(o, postscale)
         return outs
@@ -178,7 +188,8 @@ def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0,
     kernel = _grouped_kernel(op, prescale_factor, postscale_factor, process_set, name)
 
     def forward(*xs):
-        return _buf.run(kernel, xs, [x.dtype for x in xs], [x.shape for x in xs], node)
+        return _buf.run(kernel, xs, [x.dtype for x in xs], [x.shape for x in xs], node,
+                        aligned=True)
 
     def grad(ys, *dys):
         return _grouped_allreduce(list(dys), op=op, prescale_factor=prescale_factor,
@@ -277,7 +288,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
 def _broadcast_kernel(root_rank, process_set):
     def kernel(a):
         wire, back = _buf.native(a)
-        out = _buf.aligned_copy(wire) if rank() == root_rank else \
+        out = _buf.aligned_copy(wire)[0] if rank() == root_rank else \
             _arrays.empty(wire.shape, wire.dtype)
         _arrays.broadcast_(out, root_rank, process_set)
         return [back(out)]
@@ -320,6 +331,10 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     _buf.movable(x, "alltoall")
     _, _, n = _where(process_set)
     node = _node_name("Alltoall", name, x)
+    static = splits if not isinstance(splits, (tf.Tensor, tf.Variable)) else \
+        tf.get_static_value(splits)
+    if x.shape.rank and x.shape[0] is not None and (splits is None or static is not None):
+        _arrays.splits_of(static, x.shape[0], n)  # a clear error before any rank waits
     inputs = [x]
     if splits is not None:
         inputs.append(tf.cast(_buf.as_tensor(splits), tf.int64))
@@ -438,10 +453,9 @@ def _broadcast_group_kernel(root_rank, process_set):
         wires, backs = zip(*[_buf.native(a) for a in arrays]) if arrays else ((), ())
         outs = [_np.ascontiguousarray(w) if root else _arrays.empty(w.shape, w.dtype)
                 for w in wires]
-        sid, _, _ = _where(process_set)
-        if sid is None:
+        if _sid(process_set) is None:
             base = _name("broadcast_variables", None)
-            pending = [_hvd.broadcast_async_(_arrays.address(o), o.size, o.dtype.name,
+            pending = [_hvd.broadcast_async_(_arrays.address(o), o.size, _buf.name_of(o),
                                              root_rank, f"{base}.{i}", o)
                        for i, o in enumerate(outs)]
             for p in pending:
