@@ -26,13 +26,15 @@ def contiguous(array):
 ALIGN = 64
 
 
-def aligned(shape, dtype):
-    """An uninitialised C-contiguous array whose first element is ``ALIGN``-byte aligned,
-    and that address (found once: numpy's address lookups cost microseconds)."""
+def aligned(shape, dtype, nbytes=None):
+    """An uninitialised C-contiguous array of ``shape`` (``nbytes`` bytes, when known) whose
+    first element is ``ALIGN``-byte aligned, and that address (found once: numpy's address
+    lookups cost microseconds)."""
     dtype = _np.dtype(dtype)
-    nbytes = dtype.itemsize
-    for d in shape:
-        nbytes *= d
+    if nbytes is None:
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
     raw = _np.empty(nbytes + ALIGN, dtype=_np.uint8)
     at = raw.ctypes.data
     start = (-at) % ALIGN

@@ -110,7 +110,7 @@ def array_of(tensor):
 def aligned_copy(array):
     """A C-contiguous copy of ``array`` in memory TensorFlow's kernels can read in place, and
     its address."""
-    out, at = _arrays.aligned(array.shape, array.dtype)
+    out, at = _arrays.aligned(array.shape, array.dtype, array.nbytes)
     _np.copyto(out, array)
     return out, at
 
@@ -194,11 +194,17 @@ def run(kernel, inputs, dtypes, shapes, name, aligned=False):
     return list(outs)
 
 
+def direct():
+    """Whether a collective may run its kernel straight on eager tensors' memory and skip
+    the graph and gradient bookkeeping: executing eagerly, with no tape recording."""
+    return tf.executing_eagerly() and not _recording()
+
+
 def differentiable(forward, inputs, grad):
     """``forward(*inputs)`` (a list of tensors) with ``grad(outputs, *output_grads)`` as its
     gradient where a tape or a graph may need one; eager calls that no tape records skip
     the bookkeeping."""
-    if tf.executing_eagerly() and not _recording():
+    if direct():
         return forward(*inputs)
 
     @tf.custom_gradient

@@ -18,7 +18,7 @@ from hvd import _hvd
 from hvd._hvd import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
 from hvd.common import arrays as _arrays
 from hvd.common.basics import *  # noqa: F401,F403
-from hvd.common.basics import _op_of, _set_id, _where
+from hvd.common.basics import _op_of, _where
 from hvd.common.handles import _name, _unnamed
 from hvd.tensorflow import buffers as _buf
 from hvd.tensorflow.compression import Compression
@@ -79,16 +79,21 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
     """Horovod's raw allreduce op (default: the sum) on a dense tensor, differentiable."""
     x = _buf.as_tensor(tensor)
     _buf.reducible(x, "allreduce", op)
-    _buf.scalable(x, prescale_factor, "prescale_factor")
-    _buf.scalable(x, postscale_factor, "postscale_factor")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        _buf.scalable(x, prescale_factor, "prescale_factor")
+        _buf.scalable(x, postscale_factor, "postscale_factor")
+
+    def kernel(a):
+        return [_reduced(a, op, prescale_factor, postscale_factor, process_set)]
+
+    if _buf.direct():
+        return _buf.tensor_of(kernel(_buf.array_of(x))[0], aligned=True)
     if not tf.executing_eagerly():
         _where(process_set)
     node = _node_name("Allreduce", name, x)
 
     def forward(x):
-        return _buf.run(lambda a: [_reduced(a, op, prescale_factor, postscale_factor,
-                                            process_set)],
-                        [x], [x.dtype], [x.shape], node, aligned=True)
+        return _buf.run(kernel, [x], [x.dtype], [x.shape], node, aligned=True)
 
     def grad(ys, dy):
         return _allreduce(dy, op=op, prescale_factor=prescale_factor,

@@ -280,11 +280,6 @@ def _rows(t):
     return _arrays.rows(tuple(t.shape))
 
 
-def _gather_counts(count, process_set=None):
-    """Every rank's ``count``, in rank order (of ``process_set``'s ranks if given)."""
-    return _arrays.gather_counts(count, process_set)
-
-
 def allgather(tensor, name=None, process_set=None):
     """Concatenates every rank's ``tensor`` along its first dimension, in rank order; the
     first dimension may differ between ranks, the others may not."""
