@@ -10,8 +10,10 @@
 Times ``--iters`` allreduces of one float32 (4 bytes, by default) after ``--warmup`` of
 them, each rank checking the result, and prints rank 0's mean and median microseconds per
 call: PyTorch's in-place ``hvd.allreduce_``, or with ``--framework tensorflow``
-``hvd.tensorflow.allreduce`` of an eager tensor, the same inside a ``tf.function``, and a
-``tf.function`` of ``tf.identity`` alone (TensorFlow's own cost of the call).
+``hvd.tensorflow.allreduce`` of an eager tensor, the same inside a ``tf.function``, a
+``tf.function`` of ``tf.identity`` alone (TensorFlow's own cost of the call), and what one
+allreduce adds inside a ``tf.function`` of ``--chain`` of them, beyond that call (the
+difference of sorted samples, divided by the chain).
 """
 
 import argparse
@@ -74,25 +76,37 @@ def tensorflow_latency(args):
     n = hvd.size()
     x = tf.ones([args.elements])
 
-    def check(out):
-        if out.numpy()[0] != n:
-            raise SystemExit(f"allreduce gave {out.numpy()[0]} in a world of {n}")
+    def check_sum(want):
+        def check(out):
+            if out.numpy()[0] != want:
+                raise SystemExit(f"allreduce gave {out.numpy()[0]}, not {want}, in a world "
+                                 f"of {n}")
+        return check
 
     in_graph = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum))
+
+    @tf.function
+    def chained(t):
+        for _ in range(args.chain):
+            t = hvd.allreduce(t, op=hvd.Sum)
+        return t
+
     # TensorFlow's own cost of calling a tf.function, to set beside the allreduce in one.
     identity = tf.function(tf.identity)
-    results = [
-        ("hvd.tensorflow.allreduce (eager)",
-         timed(lambda: None, lambda: hvd.allreduce(x, op=hvd.Sum), check, args.iters,
-               args.warmup)),
-        ("hvd.tensorflow.allreduce (tf.function)",
-         timed(lambda: None, lambda: in_graph(x), check, args.iters, args.warmup)),
-        ("tf.function(tf.identity) without hvd",
-         timed(lambda: None, lambda: identity(x), lambda out: None, args.iters, args.warmup)),
-    ]
+    eager = timed(lambda: None, lambda: hvd.allreduce(x, op=hvd.Sum), check_sum(n),
+                  args.iters, args.warmup)
+    one = timed(lambda: None, lambda: in_graph(x), check_sum(n), args.iters, args.warmup)
+    call = timed(lambda: None, lambda: identity(x), check_sum(1), args.iters, args.warmup)
+    many = timed(lambda: None, lambda: chained(x), check_sum(n ** args.chain), args.iters,
+                 args.warmup)
     if hvd.rank() == 0:
-        for what, times in results:
-            report(what, args.elements, n, times)
+        report("hvd.tensorflow.allreduce (eager)", args.elements, n, eager)
+        report("hvd.tensorflow.allreduce (tf.function)", args.elements, n, one)
+        report("tf.function(tf.identity) without hvd", args.elements, n, call)
+        # The cost of an allreduce inside a graph, beyond TensorFlow's cost of the call.
+        beyond = [(m - c) / args.chain for m, c in zip(sorted(many), sorted(call))]
+        report(f"hvd.tensorflow.allreduce in a tf.function of {args.chain}, each, beyond "
+               f"the call", args.elements, n, beyond)
     hvd.shutdown()
 
 
@@ -102,6 +116,8 @@ def main():
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--framework", choices=["torch", "tensorflow"], default="torch")
+    p.add_argument("--chain", type=int, default=10,
+                   help="allreduces in one tf.function, to time one beyond the call")
     args = p.parse_args()
     if args.framework == "torch":
         torch_latency(args)

@@ -14,9 +14,10 @@ Copies, measured on TensorFlow 2.21 (CPU):
 - out: none. A kernel's result array becomes a tensor through DLPack
   (``tf.experimental.dlpack.from_dlpack``), which keeps the array's memory; bfloat16, which
   DLPack does not carry, goes as its 16-bit pattern and a ``tf.bitcast``, which shares the
-  buffer too. Inside ``tf.function``, ``numpy_function`` wraps the returned array. Outputs
-  are allocated 64-byte aligned (``hvd.common.arrays.empty``): TensorFlow's kernels abort
-  on memory that Eigen's vectors cannot read.
+  buffer too. Inside ``tf.function``, ``numpy_function`` wraps the returned array without
+  a copy as well. Outputs are allocated 64-byte aligned (``hvd.common.arrays.aligned``):
+  TensorFlow's kernels abort on memory that Eigen's vectors cannot read, and
+  ``numpy_function`` copies what is not aligned.
 - an allreduce or broadcast copies its input once, into the output it reduces in place:
   TensorFlow's tensors are immutable, so the result needs memory of its own (Horovod's op
   allocates its output and copies into it as well).
@@ -42,6 +43,7 @@ _NAMES = {_np.dtype(tf.as_dtype(n).as_numpy_dtype): n for n in REDUCIBLE}
 def name_of(array):
     """The native module's name of ``array``'s element type (None if it has none)."""
     return _NAMES.get(array.dtype)
+
 
 try:
     # Autograph leaves hvd alone, as it leaves TensorFlow and Keras: converting it would
