@@ -359,7 +359,11 @@ def check_variables(r, n):
 
     in_graph()
     assert ws[0].numpy().tolist() == [0.0] * 3 and ws[1].numpy().tolist() == [0]
-    return 2
+    u = tf.Variable(tf.fill([2], float(r)))
+    for values in both(lambda: hvd.broadcast_([u], root_rank=n - 1)):
+        assert values[0].numpy().tolist() == [n - 1.0] * 2 and \
+            u.numpy().tolist() == [n - 1.0] * 2, (values, u)
+    return 3
 
 
 def check_process_sets(r, n):

@@ -498,6 +498,16 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     return tf.group(*[v.assign(value) for v, value in zip(variables, values)])
 
 
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Horovod's in-place broadcast of ``variables`` from ``root_rank``: here
+    ``broadcast_variables`` (one fused op; the receiving ranks' variables are assigned what
+    arrived). Returns the variables' new values."""
+    variables = list(variables)
+    done = broadcast_variables(variables, root_rank, process_set=process_set)
+    with tf.control_dependencies([done] if done is not None else []):
+        return [_buf.as_tensor(v) for v in variables]
+
+
 def broadcast_object(obj, root_rank=0, session=None, name=None,
                      process_set=global_process_set):
     """Returns ``root_rank``'s ``obj`` (any picklable object) on every rank (of
@@ -583,7 +593,8 @@ def stop_timeline():
 __all__ = [
     "Adasum", "Average", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
     "Product", "ProcessSet", "Sum", "add_process_set", "allgather", "allgather_object",
-    "allreduce", "alltoall", "barrier", "broadcast", "broadcast_object", "broadcast_variables",
+    "allreduce", "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_object",
+    "broadcast_variables",
     "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
     "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allreduce",
     "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
