@@ -13,8 +13,8 @@ use std::path::Path;
 use std::process::Command;
 
 use nix::sys::signal::Signal;
-use support::pyenv::{python, root, target_dir};
-use support::{Job, check_counter, scratch, signal, steps_rerun};
+use support::pyenv::{elastic_script, python, root, target_dir};
+use support::{Job, assert_weights, check_counter, scratch, signal, steps_rerun};
 
 /// `horovodrun` running the Python script `script` as `np` ranks on this host.
 fn under_hvd(np: usize, script: &Path) -> Command {
@@ -166,29 +166,6 @@ const TRAIN: &[&str] = &["--steps", "150", "--commit-every", "5", "--step-ms", "
 /// `python/tests/elastic_train.py` as an elastic job over `hosts` (what discovery prints).
 fn elastic_job(name: &str, hosts: &[&str], flags: &[&str]) -> Job {
     elastic_script(name, hosts, flags, "python/tests/elastic_train.py", TRAIN)
-}
-
-/// The Python script `script` (from the repository's root) with `args`, as an elastic job
-/// over `hosts`.
-fn elastic_script(name: &str, hosts: &[&str], flags: &[&str], script: &str, args: &[&str]) -> Job {
-    let dir = scratch(name);
-    std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n").expect("hosts");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
-    cmd.args(flags)
-        .args(["--host-discovery-script"])
-        .arg(dir.join("discover.sh"))
-        .args(["--discovery-interval", "0.2"])
-        .arg(python())
-        .arg(root().join(script))
-        .args(args);
-    Job::spawn(dir, cmd)
-}
-
-/// Every rank's model took exactly one SGD step per training step: its weight is `-steps`.
-fn assert_weights(lines: &[support::Line], steps: u32) {
-    for d in lines.iter().filter(|l| l.v["event"] == "done") {
-        assert_eq!(d.v["weight"], -f64::from(steps), "{}", d.v);
-    }
 }
 
 #[test]

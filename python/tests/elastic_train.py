@@ -9,25 +9,14 @@ learning rate 1 takes it to exactly ``-step``. At the end ``total`` equals the s
 ``history`` and the weight equals ``-steps``.
 """
 
-import argparse
-import json
-import os
-import time
-
 import torch
 
+import counter
 import hvd.torch as hvd
 
 
-def emit(event):
-    print(json.dumps(event, separators=(",", ":")), flush=True)
-
-
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--commit-every", type=int, default=5)
-    p.add_argument("--step-ms", type=float, default=10)
+    p = counter.parser(__doc__)
     p.add_argument("--op", choices=["average", "adasum"], default="average",
                    help="the DistributedOptimizer's op: every rank's gradient is the same, "
                         "so Adasum gives the same steps as the average")
@@ -35,8 +24,7 @@ def main():
                    help="a torchvision model (with SGD momentum state) to keep in the "
                         "TorchState besides the counter, to time recovery with a real state")
     args = p.parse_args()
-    emit({"event": "start", "horovod": {k: os.environ.get("HOROVOD_" + k.upper()) for k in
-                                        ("rank", "size", "local_rank", "hostname")}})
+    counter.start()
     hvd.init()
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1, bias=False)
@@ -65,10 +53,8 @@ def main():
 
     @hvd.elastic.run
     def train(state):
-        calls[0] += 1
         rank, size = hvd.rank(), hvd.size()
-        if calls[0] > 1:
-            emit({"event": "reset", "step": state.step, "rank": rank, "size": size})
+        counter.entered(calls, state, rank, size)
         while state.step < args.steps:
             ones = hvd.allreduce(torch.ones(16, dtype=torch.int64), op=hvd.Sum)
             if not torch.all(ones == size):
@@ -82,29 +68,12 @@ def main():
             opt.zero_grad()
             model(torch.ones(1, 1)).sum().backward()
             opt.step()
-            state.total += size
-            state.history.append(size)
-            state.step += 1
-            emit({"event": "step", "step": state.step, "rank": rank, "size": size,
-                  "total": state.total})
-            if state.step % args.commit_every == 0:
-                state.commit()
-                emit({"event": "commit", "step": state.step, "rank": rank})
-            else:
-                state.check_host_updates()
-            time.sleep(args.step_ms / 1000)
+            counter.stepped(state, rank, size)
+            counter.commit_or_check(state, args, rank)
         return rank, size
 
     rank, size = train(state)
-    history_sum = sum(state.history)
-    weight = model.weight.item()
-    if state.total != history_sum or len(state.history) != args.steps or weight != -args.steps:
-        raise SystemExit(f"rank {rank}: total {state.total}, history sums to {history_sum} over "
-                         f"{len(state.history)} steps, weight {weight} (expected "
-                         f"{-args.steps})")
-    emit({"event": "done", "rank": rank, "size": size, "steps": args.steps,
-          "total": state.total, "history_sum": history_sum, "weight": weight,
-          "resets": resets[0]})
+    counter.done(state, model.weight.item(), rank, size, resets[0], args.steps)
     hvd.shutdown()
 
 

@@ -372,8 +372,14 @@ impl Job {
     }
 
     /// Waits for horovodrun to exit; returns its code, stderr and every counter line.
-    pub fn finish(mut self) -> (i32, String, Vec<Line>) {
-        let deadline = Instant::now() + Duration::from_secs(90);
+    pub fn finish(self) -> (i32, String, Vec<Line>) {
+        self.finish_within(Duration::from_secs(90))
+    }
+
+    /// [`Job::finish`] for jobs whose workers step slowly (many TensorFlow processes on two
+    /// cores), giving horovodrun `within` to exit.
+    pub fn finish_within(mut self, within: Duration) -> (i32, String, Vec<Line>) {
+        let deadline = Instant::now() + within;
         let status = loop {
             if let Some(st) = self.child.try_wait().expect("wait") {
                 break st;
@@ -500,6 +506,16 @@ pub fn check_counter(lines: &[Line], steps: u64) -> u64 {
         );
     }
     size
+}
+
+/// Every rank that finished trained its model with exactly one SGD step per training step:
+/// its weight (in the counter programs' `done` line) is `-steps`.
+pub fn assert_weights(lines: &[Line], steps: u32) {
+    let done: Vec<_> = lines.iter().filter(|l| l.v["event"] == "done").collect();
+    assert!(!done.is_empty(), "no rank finished");
+    for d in done {
+        assert_eq!(d.v["weight"], -f64::from(steps), "{}", d.v);
+    }
 }
 
 pub fn steps_rerun(lines: &[Line]) -> usize {

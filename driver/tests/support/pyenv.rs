@@ -101,3 +101,25 @@ fn set_up() -> Result<PathBuf, String> {
     )?;
     Ok(python)
 }
+
+/// The Python script `script` (from the repository's root) with `args`, run by the test
+/// virtualenv's interpreter as an elastic job over `hosts` (what discovery prints).
+pub fn elastic_script(
+    name: &str,
+    hosts: &[&str],
+    flags: &[&str],
+    script: &str,
+    args: &[&str],
+) -> super::Job {
+    let dir = super::scratch(name);
+    std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n").expect("hosts");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+    cmd.args(flags)
+        .args(["--host-discovery-script"])
+        .arg(dir.join("discover.sh"))
+        .args(["--discovery-interval", "0.2"])
+        .arg(python())
+        .arg(root().join(script))
+        .args(args);
+    super::Job::spawn(dir, cmd)
+}

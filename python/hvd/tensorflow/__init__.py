@@ -23,6 +23,8 @@ from hvd.tensorflow.optimizer import DistributedOptimizer
 
 _elastic.register_error_translator(_buffers.translate)
 
+from hvd.tensorflow import elastic  # noqa: E402 (hvd.elastic: TensorFlowKerasState, run)
+
 _TF2_WAY = ("TensorFlow 2 has no sessions: call hvd.broadcast_variables(variables, root_rank=0) "
             "after the variables are created, or use "
             "hvd.tensorflow.keras.callbacks.BroadcastGlobalVariablesCallback(0) with Keras")

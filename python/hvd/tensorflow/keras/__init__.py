@@ -19,6 +19,7 @@ from hvd.tensorflow import *  # noqa: F401,F403 (hvd.tensorflow's API, as its __
 from hvd.tensorflow import __all__ as _tf_all
 from hvd.tensorflow import Average, Compression
 from hvd.tensorflow.keras import callbacks
+from hvd.tensorflow.keras import elastic  # KerasState and the elastic callbacks
 from hvd.tensorflow.keras import saving as _saving
 from hvd.tensorflow.keras.optimizer import DistributedOptimizer
 

@@ -1,0 +1,92 @@
+//! Elastic TensorFlow and Keras 3 on hvd's one elastic core, with real TensorFlow from the
+//! test virtualenv: `python/tests/keras_elastic_train.py`, the counter of
+//! `elastic_train.py` in Keras, through killed workers and hosts added and removed. Every
+//! committed step is applied exactly once: the counter's total is the sum of the sizes it
+//! ran at, and the model's one weight took one SGD step per training step.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
+
+mod support;
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use support::pyenv::elastic_script;
+use support::{Job, assert_weights, check_counter, signal, steps_rerun};
+
+const SCRIPT: &str = "python/tests/keras_elastic_train.py";
+/// Seconds a worker has to start and register: importing TensorFlow takes over 30 s when
+/// several workers import it at once on a loaded 2-core machine.
+const START: &str = "180";
+/// How long the rest of a job may take once its last change is seen: five TensorFlow
+/// processes step slowly on two cores.
+const FINISH: Duration = Duration::from_secs(400);
+
+/// The counter with `args` as 3 workers (127.0.0.2:2 and 127.0.0.3:1, up to `max_np`),
+/// once it has lost rank 2, 127.0.0.3's only worker (its host is blacklisted, the other
+/// stays), and goes on at size 2.
+fn after_a_killed_worker(name: &str, args: &[&str], max_np: &str) -> Job {
+    let flags = [
+        "-np",
+        "3",
+        "--min-np",
+        "2",
+        "--max-np",
+        max_np,
+        "--start-timeout",
+        START,
+    ];
+    let hosts = ["127.0.0.2:2", "127.0.0.3:1"];
+    let mut job = elastic_script(name, &hosts, &flags, SCRIPT, args);
+    job.wait_step(15, 3);
+    signal(job.pid_of_rank(2), Signal::SIGKILL);
+    job.wait_step(1, 2);
+    job
+}
+
+/// A custom training loop (`TensorFlowKerasState`, `tf.function` steps, hvd's Keras
+/// `DistributedOptimizer`) loses a worker, gains a host and loses one gracefully.
+#[test]
+fn a_keras_training_loop_survives_a_killed_worker_and_hosts_added_and_removed() {
+    // Long enough for new workers to import TensorFlow and join on a loaded machine.
+    let args = ["--steps", "1500", "--commit-every", "5", "--step-ms", "20"];
+    let mut job = after_a_killed_worker("tf-loop", &args, "4");
+    job.set_hosts(&["127.0.0.2:2", "127.0.0.4:2"]);
+    job.wait_step(1, 4);
+    job.set_hosts(&["127.0.0.4:2"]);
+    job.wait_step(1, 2);
+    let (code, err, lines) = job.finish_within(FINISH);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 1500), 2);
+    assert_weights(&lines, 1500);
+    // The two that finish joined with the new host: their reset callbacks ran on their
+    // first pass (the job was past its first round) and at the removal.
+    for d in lines.iter().filter(|l| l.v["event"] == "done") {
+        assert_eq!(d.v["resets"], 2, "{}", d.v);
+    }
+    // Only the failure rolls back: at most the steps since a commit (every 5), per survivor.
+    let rerun = steps_rerun(&lines);
+    assert!(rerun <= 2 * 5, "{rerun} steps re-run");
+}
+
+/// `model.fit` with `KerasState` and Horovod's elastic callbacks (epochs of 5 steps,
+/// committed at their end) loses a worker and gains a host.
+#[test]
+fn keras_fit_with_the_elastic_callbacks_survives_a_killed_worker_and_a_new_host() {
+    let args = [
+        "--fit",
+        "--steps",
+        "1000",
+        "--commit-every",
+        "5",
+        "--step-ms",
+        "20",
+    ];
+    let mut job = after_a_killed_worker("tf-fit", &args, "5");
+    job.set_hosts(&["127.0.0.2:2", "127.0.0.4:3"]);
+    job.wait_step(1, 5);
+    let (code, err, lines) = job.finish_within(FINISH);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 1000), 5);
+    assert_weights(&lines, 1000);
+}
