@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::Command;
 
 use nix::sys::signal::Signal;
-use support::pyenv::{elastic_script, python, root, target_dir};
+use support::pyenv::{elastic_script, passes_on, python, root, target_dir};
 use support::{Job, assert_weights, check_counter, scratch, signal, steps_rerun};
 
 /// `horovodrun` running the Python script `script` as `np` ranks on this host.
@@ -58,32 +58,6 @@ fn under_torchrun(np: usize, script: &Path) -> Command {
     .arg(format!("--master_port={port}"))
     .arg(script);
     cmd
-}
-
-/// Runs `script` (under `python/tests/`) as `np` ranks on this host through `horovodrun`.
-fn horovodrun(np: usize, script: &str) -> (i32, String, String) {
-    let out = under_hvd(np, &root().join("python/tests").join(script))
-        .output()
-        .expect("horovodrun");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// Runs `script` on each of `nps` ranks counts; every rank must print `<what> ok: rank R of N`.
-fn passes_on(script: &str, what: &str, nps: &[usize]) {
-    for &np in nps {
-        let (code, out, err) = horovodrun(np, script);
-        assert_eq!(code, 0, "{np} ranks:\n{out}\n{err}");
-        for rank in 0..np {
-            assert!(
-                out.contains(&format!("{what} ok: rank {rank} of {np}")),
-                "{np} ranks, rank {rank}:\n{out}\n{err}"
-            );
-        }
-    }
 }
 
 #[test]

@@ -11,7 +11,7 @@ mod support;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use support::pyenv::elastic_script;
+use support::pyenv::{elastic_script, passes_on};
 use support::{Job, assert_weights, check_counter, signal, steps_rerun};
 
 const SCRIPT: &str = "python/tests/keras_elastic_train.py";
@@ -21,6 +21,14 @@ const START: &str = "180";
 /// How long the rest of a job may take once its last change is seen: five TensorFlow
 /// processes step slowly on two cores.
 const FINISH: Duration = Duration::from_secs(400);
+
+/// `TensorFlowKerasState` rolls back every kind of write since its commit, keeps the commit
+/// intact through later writes, and refuses a model built differently on one rank on every
+/// rank at its sync.
+#[test]
+fn a_tensorflow_state_rolls_back_exactly_and_refuses_mismatched_models() {
+    passes_on("tensorflow_state.py", "tensorflow state", &[1, 2]);
+}
 
 /// The counter with `args` as 3 workers (127.0.0.2:2 and 127.0.0.3:1, up to `max_np`),
 /// once it has lost rank 2, 127.0.0.3's only worker (its host is blacklisted, the other

@@ -19,6 +19,7 @@ A framework's state says only how its objects are saved, restored and broadcast
 import copy
 import functools
 import sys
+import threading
 
 from hvd import _hvd
 from hvd._hvd import HorovodInternalError, HostsUpdatedInterrupt
@@ -178,27 +179,63 @@ def run(func):
                 e = _translated(raised)
                 if e is None:
                     raise
-                if isinstance(e, HostsUpdatedInterrupt):
+                reason = str(e)
+                failed = not isinstance(e, HostsUpdatedInterrupt)
+                if not failed:
                     # Every rank raised it at the same step: keep the current values.
                     state.save()
                     state._commits += 1
-                else:
-                    state.restore()
-                reason = str(e)
             _handles.forget_all()
             state._forget_pending()
-            while True:
-                try:
-                    removed = _hvd.rejoin(reason)
-                    break
-                except HorovodInternalError:
-                    continue  # a peer died while the new round connected: the next one
+            # No op of the failed round writes into a tensor once the engine stopped: the
+            # rollback then runs while the next round forms (both release the GIL).
+            try:
+                _hvd.stop_engine()
+            except HorovodInternalError:
+                pass  # stopped all the same: a broken round's engine ends with an error
+            rollback = _Background(state.restore) if failed else None
+            try:
+                removed = _rejoined(reason)
+            finally:
+                if rollback is not None:
+                    rollback.join()
             if removed is not None:
                 print(f"hvd: removed from the job ({removed}); exiting", file=sys.stderr)
                 sys.exit(0)
             reset = True
 
     return wrapper
+
+
+def _rejoined(reason):
+    """Joins the driver's next round; the driver's reason when it has no place for this
+    worker any more, else None."""
+    while True:
+        try:
+            return _hvd.rejoin(reason)
+        except HorovodInternalError:
+            continue  # a peer died while the new round connected: the next one
+
+
+class _Background:
+    """``work()`` on a thread of its own; ``join()`` waits for it and raises what it raised."""
+
+    def __init__(self, work):
+        self._error = None
+
+        def run_it():
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 (raised again by join)
+                self._error = e
+
+        self._thread = threading.Thread(target=run_it, name="hvd-rollback", daemon=True)
+        self._thread.start()
+
+    def join(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",

@@ -500,6 +500,13 @@ fn rejoin(py: Python<'_>, reason: &str) -> PyResult<Option<String>> {
     }
 }
 
+/// Stops the background engine, if it runs, so that no op of a failed round writes into a
+/// tensor any more; `rejoin` would stop it first too, but a state may be restored meanwhile.
+#[pyfunction(name = "stop_engine")]
+fn stop_engine_py(py: Python<'_>) -> PyResult<()> {
+    py.detach(stop_engine).map_err(raise)
+}
+
 /// The elastic round this worker is in (0 outside an elastic job).
 #[pyfunction]
 fn generation() -> u64 {
@@ -764,6 +771,7 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(count_step, m)?)?;
     m.add_function(wrap_pyfunction!(newest_update, m)?)?;
     m.add_function(wrap_pyfunction!(sync_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(stop_engine_py, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_, m)?)?;
     m.add_function(wrap_pyfunction!(barrier, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_async_, m)?)?;

@@ -123,3 +123,26 @@ pub fn elastic_script(
         .args(args);
     super::Job::spawn(dir, cmd)
 }
+
+/// Runs `script` (under `python/tests/`) with the test virtualenv's interpreter as `np` ranks
+/// on this host, for each `np` of `nps`, through `horovodrun`; the job must succeed and every
+/// rank print `<what> ok: rank R of N`.
+pub fn passes_on(script: &str, what: &str, nps: &[usize]) {
+    for &np in nps {
+        let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+            .args(["-np", &np.to_string(), "-H", &format!("127.0.0.1:{np}")])
+            .arg(python())
+            .arg(root().join("python/tests").join(script))
+            .output()
+            .expect("horovodrun");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{np} ranks:\n{text}\n{err}");
+        for rank in 0..np {
+            assert!(
+                text.contains(&format!("{what} ok: rank {rank} of {np}")),
+                "{np} ranks, rank {rank}:\n{text}\n{err}"
+            );
+        }
+    }
+}
