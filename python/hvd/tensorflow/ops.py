@@ -21,7 +21,14 @@ from hvd.common.basics import *  # noqa: F401,F403
 from hvd.common.basics import _op_of, _where
 from hvd.common.handles import _name, _unnamed
 from hvd.tensorflow import buffers as _buf
-from hvd.tensorflow.compression import Compression
+from hvd.tensorflow.compression import Compression, NoneCompressor
+
+try:
+    # Not ``type(tf.constant(0))``: that would start TensorFlow's context at import, before
+    # a script configures its devices.
+    from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
+except ImportError:  # pragma: no cover (a TensorFlow that moved it: the general path)
+    _EagerTensor = None
 
 
 def _node_name(kind, name, tensor):
@@ -126,6 +133,9 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='',
 def _compressed(raw, tensor, compression, **kwargs):
     """``raw(wire, **kwargs)``, a reducing op, of ``tensor`` sent as ``compression`` says;
     on ``tensor``'s device."""
+    if compression is NoneCompressor and type(tensor) is _EagerTensor and \
+            "GPU" not in tensor.device:
+        return raw(tensor, **kwargs)  # the common case, without the layers it needs not
     x = _buf.as_tensor(tensor)
     wire, ctx = compression.compress(x)
     return _buf.on_device_of(x, compression.decompress(raw(wire, **kwargs), ctx))
