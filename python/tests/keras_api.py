@@ -1,16 +1,20 @@
-"""``hvd.keras`` (Keras 3 on TensorFlow) under ``horovodrun -np N``, every result checked
-against a reference computed here, on one process, from every rank's data:
+"""``hvd.keras`` and ``hvd.tensorflow.keras`` under ``horovodrun -np N``, every result checked
+against a reference computed here, on one process, from every rank's data. The script runs
+on the Keras that ``tf.keras`` is: Keras 3 by default, Keras 2 (``tf_keras``) when run with
+``TF_USE_LEGACY_KERAS=1``; the checks are the same but where the two differ (noted there).
 
 - ``DistributedOptimizer`` through ``model.fit``, a custom loop (eager and ``tf.function``),
   ``backward_passes_per_step`` (summed and averaged), ``op=hvd.Sum``,
   ``gradient_predivide_factor``, ``groups``, fp16 compression and ``op=hvd.Adasum``: every
   rank ends with the same weights, those of one process training on the union of the
-  batches (Adasum: the ranks' SGD steps combined by Adasum);
+  batches (Adasum: the ranks' SGD steps combined by Adasum); on Keras 2 also a legacy
+  optimizer (``tf.keras.optimizers.legacy``);
 - the callbacks: the broadcast makes differently initialised ranks equal (also when the
   optimizer builds late), metrics are the ranks' mean, and the learning rate (and the
   momentum it carries) follows Horovod's formulas batch by batch;
-- ``load_model`` keeps the optimizer's state and wraps it; Keras 2 / TF1 objects, XLA and
-  misuse are refused with errors that say why.
+- ``load_model`` keeps the optimizer's state and wraps it (``.keras`` on Keras 3, ``.h5`` on
+  Keras 2; Keras 3's ``.h5`` loader drops the optimizer's slots); objects of the other Keras, TF1 optimizers, XLA and misuse are refused with errors
+  that say why (and name ``TF_USE_LEGACY_KERAS``).
 
 Prints ``keras ok: rank R of N`` and exits 0, or raises.
 """
@@ -20,13 +24,19 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvd.keras as hvd_keras  # noqa: E402
 import hvd.tensorflow.keras as hvd  # noqa: E402
 from hvd.tensorflow.keras.optimizer import _Distributed  # noqa: E402
+
+# The Keras hvd.tensorflow.keras serves: tf.keras as this process has it.
+keras = tf.keras
+KERAS2 = keras.Model.__module__.startswith("tf_keras")
+KERAS_NAME = "Keras 2" if KERAS2 else "Keras 3"
+# keras.saving, which tf.keras does not re-export on Keras 3.
+saving = __import__("tf_keras" if KERAS2 else "keras").saving
 
 BATCH = 4
 STEPS = 6
@@ -357,7 +367,8 @@ def check_broadcast(r, n):
     cb.set_model(model)
     mine = local.numpy()
     cb.on_train_begin()
-    assert not cb.broadcast_done and not opt.built
+    # Keras 3 says "built"; Keras 2's optimizers "_built".
+    assert not cb.broadcast_done and not getattr(opt, "built", getattr(opt, "_built", False))
     for got, want, v in zip(weights(model), root, model.weights):
         if v is local:
             assert np.array_equal(got, mine), "a local variable was broadcast"
@@ -373,28 +384,69 @@ def check_broadcast(r, n):
 def check_load_model(r, n):
     """load_model: the saved optimizer's class wrapped, its state kept; training on from
     the loaded model matches training on from the original. Plain Keras loads it as SGD."""
+    for suffix in ("h5",) if KERAS2 else ("keras",):
+        load_model_from(r, n, suffix)
+
+
+def load_model_from(r, n, suffix, opt_class=None):
     x, y = union_data(n)
     xr, yr = rows_of(x, r, n), rows_of(y, r, n)
-    model, _ = fit_with(r, n, [], 1)
-    path = os.path.join(tempfile.mkdtemp(), f"model.{r}.keras")
+    opt_class = opt_class or keras.optimizers.SGD
+    model = make_model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(opt_class(0.1, momentum=0.9)), loss=LOSS,
+                  jit_compile=False)
+    model.fit(xr, yr, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    path = os.path.join(tempfile.mkdtemp(), f"model.{r}.{suffix}")
     model.save(path)
     loaded = hvd.load_model(path)
     opt = loaded.optimizer
-    assert isinstance(opt, keras.optimizers.SGD) and isinstance(opt, _Distributed), type(opt)
+    assert isinstance(opt, opt_class) and isinstance(opt, _Distributed), type(opt)
     assert type(opt).__name__ == "SGD"
-    for a, b in zip(model.optimizer.variables, opt.variables):
-        assert np.array_equal(a.numpy(), b.numpy()), a.path
+    variables = [list(o.variables() if callable(o.variables) else o.variables)
+                 for o in (model.optimizer, opt)]
+    assert len(variables[0]) == len(variables[1]) > 1, variables
+    for a, b in zip(*variables):
+        assert np.array_equal(a.numpy(), b.numpy()), a.name
     for m in (model, loaded):
         m.fit(xr, yr, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    close(weights(loaded), weights(model), "training on after load_model", tol=1e-6)
+    close(weights(loaded), weights(model), f"training on after load_model (.{suffix})",
+          tol=1e-6)
     same_on_every_rank(weights(loaded), "loaded model")
     plain = keras.models.load_model(path)
-    assert type(plain.optimizer) is keras.optimizers.SGD, type(plain.optimizer)
-    assert keras.saving.serialize_keras_object(opt)["class_name"] == "SGD"
-    with keras.saving.custom_object_scope({}):
-        again = hvd.load_model(path, custom_optimizers=[keras.optimizers.SGD],
+    assert type(plain.optimizer) is opt_class, type(plain.optimizer)
+    assert saving.serialize_keras_object(opt)["class_name"] == "SGD"
+    with saving.custom_object_scope({}):
+        again = hvd.load_model(path, custom_optimizers=[opt_class],
                                compression=hvd.Compression.fp16)
     assert isinstance(again.optimizer, _Distributed)
+
+
+def check_legacy_optimizer(r, n):
+    """Keras 2's legacy optimizers (tf.keras.optimizers.legacy) are wrapped too: a custom loop
+    (plain and accumulating), model.fit with the broadcast and warmup callbacks, and
+    load_model of an .h5 file."""
+    legacy = keras.optimizers.legacy.SGD
+    init = weights(make_model(0))
+    for graph in (False, True):
+        got, x, y = train_loop(r, n, hvd.DistributedOptimizer(legacy(0.05, momentum=0.9)),
+                               graph, calls=STEPS)
+        close(got, reference(init, x, y, sgd(), n * BATCH), f"legacy SGD (graph={graph})")
+        opt = hvd.DistributedOptimizer(legacy(0.05, momentum=0.9), backward_passes_per_step=2,
+                                       average_aggregated_gradients=True)
+        got, x, y = train_loop(r, n, opt, graph, passes=2, calls=2 * STEPS)
+        want = reference(init, x, y, sgd(), n * BATCH, passes=2, average=True)
+        close(got, want, f"legacy SGD, backward_passes_per_step=2 (graph={graph})")
+    x, y = union_data(n)
+    model = make_model(100 + r)
+    model.compile(optimizer=hvd.DistributedOptimizer(legacy(0.05, momentum=0.9)), loss=LOSS)
+    probe = Probe()
+    model.fit(rows_of(x, r, n), rows_of(y, r, n), batch_size=BATCH, epochs=2, shuffle=False,
+              verbose=0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                    hvd.callbacks.LearningRateWarmupCallback(0.05, 1), probe])
+    same_on_every_rank(weights(model), "legacy SGD through fit")
+    want = [0.05 / n * ((b + 1) / STEPS * (n - 1) + 1) for b in range(STEPS)]
+    assert np.allclose(probe.lrs[:STEPS], want, rtol=1e-6), (probe.lrs, want)
+    load_model_from(r, n, "h5", legacy)
 
 
 def raises(kind, needle, fn, *args, **kwargs):
@@ -408,20 +460,16 @@ def raises(kind, needle, fn, *args, **kwargs):
 
 def check_refusals(r, n):
     v1 = tf.compat.v1.train.GradientDescentOptimizer(0.1)
-    raises(TypeError, "Keras 3", hvd.DistributedOptimizer, v1)
-    keras2 = type("SGD", (), {"__module__": "tf_keras.src.optimizers.sgd"})()
-    raises(TypeError, "a Keras 2", hvd.DistributedOptimizer, keras2)
-    cb = hvd.callbacks.BroadcastGlobalVariablesCallback(0)
-    keras2_model = type("Sequential", (), {"__module__": "tf_keras.src.engine.sequential"})()
-    raises(TypeError, "Keras 3 models", cb.set_model, keras2_model)
-    raises(TypeError, "Keras 3", hvd.callbacks.MetricAverageCallback().set_model, keras2_model)
+    raises(TypeError, KERAS_NAME, hvd.DistributedOptimizer, v1)
+    raises(TypeError, "TensorFlow 1", hvd.DistributedOptimizer, v1)
+    check_other_keras_refused()
     raises(RuntimeError, "BroadcastGlobalVariablesCallback", hvd.broadcast_global_variables, 0)
     raises(ValueError, "already", hvd.DistributedOptimizer, hvd.DistributedOptimizer(sgd()))
     raises(ValueError, "hvd.Average, hvd.Sum or hvd.Adasum", hvd.DistributedOptimizer, sgd(),
            op=hvd.Max)
     raises(ValueError, "backward_passes_per_step", hvd.DistributedOptimizer, sgd(),
            backward_passes_per_step=0)
-    raises(TypeError, "Keras 3 optimizer classes", hvd.load_model, "x.keras",
+    raises(TypeError, f"{KERAS_NAME} optimizer classes", hvd.load_model, "x.keras",
            custom_optimizers=[tf.compat.v1.train.GradientDescentOptimizer])
     raises(ValueError, "initial_lr", hvd.callbacks.LearningRateScheduleCallback, None, 0.5)
     if n > 1:  # one rank reduces nothing, so XLA compiles its step
@@ -431,16 +479,66 @@ def check_refusals(r, n):
         raises(Exception, "jit_compile=False", model.fit, x, x[:, :OUTPUTS], verbose=0)
 
 
+def check_other_keras_refused():
+    """A real object of the other Keras (both are installed) is refused by the module that
+    does not serve it, with an error naming the switch; so is a look-alike by its module."""
+    import keras as keras3
+    import tf_keras as keras2
+
+    def model_of(k):
+        return k.Sequential([k.Input((INPUTS,)), k.layers.Dense(OUTPUTS)])
+
+    # (module, the Keras it refuses, that Keras's name)
+    cases = [(hvd_keras, keras2, "a Keras 2")]
+    if KERAS2:
+        cases.append((hvd, keras3, "a Keras 3"))
+    else:
+        cases.append((hvd, keras2, "a Keras 2"))
+    for module, other, kind in cases:
+        for make in (lambda: other.optimizers.SGD(0.1), lambda: other.optimizers.Adam()):
+            raises(TypeError, kind, module.DistributedOptimizer, make())
+            raises(TypeError, "TF_USE_LEGACY_KERAS", module.DistributedOptimizer, make())
+        model = model_of(other)
+        for cb in (module.callbacks.BroadcastGlobalVariablesCallback(0),
+                   module.callbacks.MetricAverageCallback()):
+            raises(TypeError, "models", cb.set_model, model)
+            raises(TypeError, "TF_USE_LEGACY_KERAS", cb.set_model, model)
+        raises(TypeError, "TF_USE_LEGACY_KERAS", module.elastic.KerasState, model)
+    if KERAS2:
+        # hvd.keras serves Keras 3 even here: it wraps a Keras 3 optimizer.
+        assert isinstance(hvd_keras.DistributedOptimizer(keras3.optimizers.SGD(0.1)), _Distributed)
+        raises(TypeError, "hvd.tensorflow.keras serves it", hvd_keras.DistributedOptimizer,
+               keras2.optimizers.SGD(0.1))
+    else:
+        raises(TypeError, "run it with TF_USE_LEGACY_KERAS=1", hvd.DistributedOptimizer,
+               keras2.optimizers.SGD(0.1))
+    home = "keras.src.optimizers.sgd" if KERAS2 else "tf_keras.src.optimizers.sgd"
+    lookalike = type("SGD", (), {"__module__": home})()
+    raises(TypeError, "a Keras 3" if KERAS2 else "a Keras 2", hvd.DistributedOptimizer,
+           lookalike)
+
+
 def check_api():
     import hvd.keras.callbacks as keras_callbacks
 
-    assert hvd_keras.DistributedOptimizer is hvd.DistributedOptimizer
-    assert keras_callbacks.MetricAverageCallback is hvd.callbacks.MetricAverageCallback
     import hvd.tensorflow as hvd_tf
     missing = set(hvd_tf.__all__) - set(hvd.__all__) - set(hvd_keras.__all__)
     assert not missing and set(hvd.__all__) == set(hvd_keras.__all__), missing
     assert float(np.array(hvd.allreduce(2.0, op=hvd.Sum))) == 2.0 * hvd.size()
     assert isinstance(hvd.DistributedOptimizer(sgd()), keras.optimizers.SGD)
+    for cb in ("BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+               "LearningRateScheduleCallback", "LearningRateWarmupCallback"):
+        assert issubclass(getattr(hvd.callbacks, cb), keras.callbacks.Callback), cb
+    for cb in ("CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"):
+        assert issubclass(getattr(hvd.elastic, cb), keras.callbacks.Callback), cb
+    assert issubclass(hvd.callbacks.LearningRateWarmupCallback,
+                      hvd.callbacks.LearningRateScheduleCallback)
+    # hvd.keras is Keras 3's: the same objects where tf.keras is Keras 3, its own where not.
+    same = not KERAS2
+    assert (hvd_keras.DistributedOptimizer is hvd.DistributedOptimizer) == same
+    assert (keras_callbacks.MetricAverageCallback is hvd.callbacks.MetricAverageCallback) == same
+    assert (hvd_keras.elastic.KerasState is hvd.elastic.KerasState) == same
+    assert (hvd_keras.load_model is hvd.load_model) == same
 
 
 def main():
@@ -459,6 +557,8 @@ def main():
     check_warmup(r, n)
     check_schedule(r, n)
     check_load_model(r, n)
+    if KERAS2:
+        check_legacy_optimizer(r, n)
     print(f"keras ok: rank {r} of {n}", flush=True)
 
 

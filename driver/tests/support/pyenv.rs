@@ -59,7 +59,7 @@ fn set_up() -> Result<PathBuf, String> {
         && Command::new(&python)
             .args([
                 "-c",
-                "import torch, torchvision, numpy, maturin, packaging, cloudpickle, tensorflow, keras",
+                "import torch, torchvision, numpy, maturin, packaging, cloudpickle, tensorflow, keras, tf_keras",
             ])
             .output()
             .is_ok_and(|o| o.status.success());

@@ -1,34 +1,56 @@
-"""Horovod's Keras callbacks for Keras 3: the first broadcast of the model and optimizer,
-metrics averaged over the ranks, and the learning-rate schedule and warmup of "Accurate,
-Large Minibatch SGD" (Goyal et al., 2017)."""
+"""Horovod's Keras callbacks: the first broadcast of the model and optimizer, metrics
+averaged over the ranks, and the learning-rate schedule and warmup of "Accurate, Large
+Minibatch SGD" (Goyal et al., 2017).
 
-import keras
+Each is written once, as a class that any Keras's ``Callback`` completes: ``bind`` makes the
+subclass of a ``Flavour``'s ``keras.callbacks.Callback`` (Keras 2's ``model.fit`` takes only
+its own callbacks). The names here are those of ``tf.keras``'s Keras; ``hvd.keras.callbacks``
+has Keras 3's.
+"""
+
+import functools
+
 import numpy as np
 import tensorflow as tf
 
 import hvd.tensorflow as _hvd_tf
-from hvd.tensorflow.keras.keras3 import require_model
+from hvd.tensorflow.keras.flavour import TF_KERAS
 
 
-class _Callback(keras.callbacks.Callback):
-    """A callback that refuses, when it is attached, a model that is not a Keras 3 one."""
+class _Callback:
+    """A callback that refuses, when it is attached, a model of another Keras than its
+    flavour's (``_flavour``, set by ``bind``)."""
+
+    _flavour = None
 
     def set_model(self, model):
-        require_model(model, f"hvd.keras.callbacks.{type(self).__name__}")
+        self._flavour.require_model(model, f"{self._flavour.module}.callbacks."
+                                          f"{type(self).__name__}")
         super().set_model(model)
 
 
-class BroadcastGlobalVariablesCallback(_Callback):
+def bind(impl, flavour, name, *bases):
+    """The class ``name``: ``impl`` completed by ``bases`` (default: ``flavour``'s
+    ``Callback``), with ``flavour`` as its Keras."""
+    bases = bases or (flavour.keras.callbacks.Callback,)
+    return type(name, (impl,) + bases,
+                {"__module__": impl.__module__, "__qualname__": name, "__doc__": impl.__doc__,
+                 "_flavour": flavour})
+
+
+class _BroadcastGlobalVariables(_Callback):
     """Copies the model's variables and its optimizer's from ``root_rank`` to every rank
     once, so that all ranks start from the same state (random initialisation or a checkpoint
     loaded on one rank).
 
     Horovod broadcasts at the end of the first batch, when a Keras 2 optimizer had created
-    its variables. Keras 3 builds the model and optimizer before training begins, so this
-    broadcasts at ``on_train_begin`` and every rank takes its first step from the same
-    state; an optimizer not built by then is broadcast (with the model again) at the end of
-    the first batch, once it has created its variables. ``device`` is accepted and unused
-    (hvd broadcasts in host memory); ``local_variables`` are left as each rank has them.
+    its variables. This broadcasts the model at ``on_train_begin`` as well, so that every
+    rank takes its first step from the same weights wherever the model is built by then
+    (Keras 3 builds it before training; a Keras 2 model given no input shape is built in its
+    first step). An optimizer not built by then (Keras 2's build in their first step) is
+    broadcast, with the model again, at the end of the first batch. ``device`` is accepted
+    and unused (hvd broadcasts in host memory); ``local_variables`` are left as each rank
+    has them.
     """
 
     def __init__(self, root_rank, device='', local_variables=None):
@@ -47,7 +69,7 @@ class BroadcastGlobalVariablesCallback(_Callback):
     def register_local_var(self, var):
         """Leaves ``var`` (a variable of the model) out of the broadcast: each rank keeps
         its own value."""
-        if not isinstance(var, (keras.Variable, tf.Variable)):
+        if not isinstance(var, self._flavour.variable_types()):
             raise ValueError(f"local variables must be Keras or TensorFlow variables, not "
                              f"{type(var).__name__}")
         self._local.add(id(var))
@@ -57,12 +79,16 @@ class BroadcastGlobalVariablesCallback(_Callback):
 
     def _broadcast(self):
         """Broadcasts the model's variables, and the optimizer's once it has them."""
-        shared = [v for v in self.model.variables if not self._is_local(v)]
+        # A Keras 2 model given no input shape has no variables (and says so by raising)
+        # until its first step builds it.
+        built = self.model.variables if self.model.built else []
+        shared = [v for v in built if not self._is_local(v)]
         _hvd_tf.broadcast_variables(shared, root_rank=self.root_rank)
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is None or not optimizer.built:
+        if optimizer is None or not self._flavour.optimizer_built(optimizer):
             return
-        _hvd_tf.broadcast_variables(list(optimizer.variables), root_rank=self.root_rank)
+        _hvd_tf.broadcast_variables(self._flavour.optimizer_variables(optimizer),
+                                    root_rank=self.root_rank)
         self.broadcast_done = True
 
     def on_train_begin(self, logs=None):
@@ -75,7 +101,7 @@ class BroadcastGlobalVariablesCallback(_Callback):
             self.broadcast_done = True
 
 
-class MetricAverageCallback(_Callback):
+class _MetricAverage(_Callback):
     """Replaces every metric in the logs at the end of an epoch by its average over the
     ranks, for the callbacks after it (``ReduceLROnPlateau``, ``ModelCheckpoint``,
     TensorBoard, the returned history). Put it before them in the list.
@@ -108,22 +134,7 @@ class MetricAverageCallback(_Callback):
         self._average_metrics_in_place(logs)
 
 
-def _lr_of(optimizer):
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-
-
-def _momentum_slots(optimizer):
-    """The variables that carry the learning rate from step to step: the momentum buffers of
-    SGD and RMSprop, which both update ``m = momentum * m ± lr * (...)``. Empty for other
-    optimizers."""
-    if isinstance(optimizer, keras.optimizers.SGD):
-        return list(getattr(optimizer, "momentums", []) or [])
-    if isinstance(optimizer, keras.optimizers.RMSprop):
-        return list(getattr(optimizer, "_momentums", []) or [])
-    return []
-
-
-class LearningRateScheduleCallback(_Callback):
+class _LearningRateSchedule(_Callback):
     """Sets the optimizer's learning rate to ``initial_lr * multiplier(epoch)`` from
     ``start_epoch`` up to (not including) ``end_epoch``. ``multiplier`` is a function of the
     epoch or a number ``m``, meaning ``m ** (epoch - start_epoch)``. With ``staircase`` the rate
@@ -134,13 +145,14 @@ class LearningRateScheduleCallback(_Callback):
 
     With ``momentum_correction``, a change of the rate from ``old`` to ``new`` scales the
     momentum the next step carries by ``new / old``, as Horovod does. Horovod multiplies the
-    optimizer's ``momentum`` for one batch; Keras 3 reads that number when it traces the
-    training step, so this scales the momentum buffers of SGD and RMSprop by ``new / old``
-    instead, which gives the same step (for Nesterov SGD the look-ahead term keeps the
-    uncorrected momentum). Other optimizers get no correction.
+    optimizer's ``momentum`` for one batch; Keras 3 (and Keras 2's current optimizers) read
+    that number when they trace the training step, so this scales the momentum buffers of
+    SGD and RMSprop (Keras 2's legacy ones too) by ``new / old`` instead, which gives the
+    same step (for Nesterov SGD the look-ahead term keeps the uncorrected momentum). Other
+    optimizers get no correction.
 
-    The learning rate is the optimizer's variable ``optimizer.learning_rate``; an optimizer
-    built on a ``LearningRateSchedule`` is refused.
+    The learning rate is the optimizer's learning-rate variable; an optimizer built on a
+    ``LearningRateSchedule`` is refused.
     """
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
@@ -168,16 +180,21 @@ class LearningRateScheduleCallback(_Callback):
                          f"did not know it). Please specify the steps_per_epoch parameter "
                          f"to the {type(self).__name__}()")
 
-    def _adjust_learning_rate(self, epoch):
-        optimizer = self.model.optimizer
-        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+    def _lr(self):
+        """The optimizer's learning-rate variable (refused for a schedule)."""
+        try:
+            return self._flavour.learning_rate(self.model.optimizer)
+        except TypeError as e:
             raise TypeError(f"{type(self).__name__} sets the optimizer's learning rate, but "
-                            f"this optimizer computes it from a LearningRateSchedule")
-        old_lr = _lr_of(optimizer)
+                            f"{e}") from None
+
+    def _adjust_learning_rate(self, epoch):
+        lr = self._lr()
+        old_lr = float(np.asarray(lr))
         new_lr = self.initial_lr * self.multiplier(epoch)
-        optimizer.learning_rate.assign(new_lr)
+        lr.assign(new_lr)
         if self.momentum_correction and old_lr != 0 and new_lr != old_lr:
-            for m in _momentum_slots(optimizer):
+            for m in self._flavour.momentum_buffers(self.model.optimizer):
                 m.assign(m * (new_lr / old_lr))
 
     def on_train_begin(self, logs=None):
@@ -198,10 +215,10 @@ class LearningRateScheduleCallback(_Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs["lr"] = _lr_of(self.model.optimizer)
+            logs["lr"] = float(np.asarray(self._lr()))
 
 
-class LearningRateWarmupCallback(LearningRateScheduleCallback):
+class _LearningRateWarmup(_LearningRateSchedule):
     """Gradual warmup: the learning rate rises from ``initial_lr / hvd.size()`` to
     ``initial_lr`` over ``warmup_epochs``, batch by batch::
 
@@ -228,4 +245,30 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose > 0 and _hvd_tf.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
-                  f"{_lr_of(self.model.optimizer):g}.")
+                  f"{float(np.asarray(self._lr())):g}.")
+
+
+@functools.cache
+def callbacks_for(flavour):
+    """{name: class} of Horovod's four callbacks for ``flavour``'s Keras (one set per
+    flavour, so ``hvd.keras`` and ``hvd.tensorflow.keras`` share them when both are
+    Keras 3)."""
+    schedule = bind(_LearningRateSchedule, flavour, "LearningRateScheduleCallback")
+    return {
+        "BroadcastGlobalVariablesCallback":
+            bind(_BroadcastGlobalVariables, flavour, "BroadcastGlobalVariablesCallback"),
+        "MetricAverageCallback": bind(_MetricAverage, flavour, "MetricAverageCallback"),
+        "LearningRateScheduleCallback": schedule,
+        "LearningRateWarmupCallback":
+            bind(_LearningRateWarmup, flavour, "LearningRateWarmupCallback", schedule),
+    }
+
+
+_TF = callbacks_for(TF_KERAS)
+BroadcastGlobalVariablesCallback = _TF["BroadcastGlobalVariablesCallback"]
+MetricAverageCallback = _TF["MetricAverageCallback"]
+LearningRateScheduleCallback = _TF["LearningRateScheduleCallback"]
+LearningRateWarmupCallback = _TF["LearningRateWarmupCallback"]
+
+__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
+           "LearningRateWarmupCallback", "MetricAverageCallback"]

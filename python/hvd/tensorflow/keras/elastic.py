@@ -1,4 +1,4 @@
-"""Elastic training with Keras 3, as Horovod's ``horovod.tensorflow.keras.elastic`` and
+"""Elastic training with Keras, as Horovod's ``horovod.tensorflow.keras.elastic`` and
 ``horovod.keras.elastic``: ``KerasState`` and the callbacks that keep it current while
 ``model.fit`` runs, on hvd's one elastic core (``hvd.elastic``).
 
@@ -15,17 +15,23 @@ def train(state):
 A commit inside ``fit`` (a callback's) may raise ``HostsUpdatedInterrupt``, and a collective
 of the optimizer may fail: either ends ``fit``, and ``run`` moves every rank to the next round
 and calls ``train`` again from the state.
+
+The state and callbacks here are ``tf.keras``'s Keras (Keras 2 under ``TF_USE_LEGACY_KERAS=1``);
+``hvd.keras.elastic`` has Keras 3's. Each is written once and bound to a Keras by
+``elastic_for``, as the callbacks of ``hvd.tensorflow.keras.callbacks`` are.
 """
 
-import keras
+import functools
 
 from hvd.elastic import (HorovodInternalError, HostsUpdatedInterrupt, ObjectState,  # noqa: F401
                          State, run)
 from hvd.tensorflow.elastic import TensorFlowKerasState, TensorFlowState  # noqa: F401
+from hvd.tensorflow.keras.callbacks import bind
+from hvd.tensorflow.keras.flavour import TF_KERAS
 
 
-class KerasState(TensorFlowKerasState):
-    """State of a built Keras 3 model, its optimizer (the model's compiled one unless
+class _KerasState:
+    """State of a built Keras model, its optimizer (the model's compiled one unless
     ``optimizer`` is given) and any other attributes, such as ``batch`` and ``epoch``, which
     the callbacks below keep current."""
 
@@ -33,7 +39,7 @@ class KerasState(TensorFlowKerasState):
         super().__init__(model, optimizer=optimizer, backend=backend, **kwargs)
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class _CommitState:
     """Commits ``state`` every ``batches_per_commit`` batches and at the end of every epoch:
     what a failure rolls back to. A commit due at an epoch's last batch is left to the
     epoch's end, which follows at once: the commit then holds the finished epoch as counted
@@ -65,7 +71,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class _UpdateBatchState:
     """Keeps ``state.batch`` at the batch of the epoch that ended last, and back at 0 when an
     epoch ends; the first epoch after a reset reports only its remaining steps
     (``params['steps']``), as in Horovod."""
@@ -92,7 +98,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class _UpdateEpochState:
     """Keeps ``state.epoch`` at the number of epochs finished: ``fit`` counts from 0 in each
     call, so the epoch the call started from is added."""
 
@@ -107,6 +113,23 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self.state.epoch = self.initial_epoch + epoch + 1
 
+
+@functools.cache
+def elastic_for(flavour):
+    """{name: class} of ``KerasState`` and the three callbacks for ``flavour``'s Keras."""
+    return {
+        "KerasState": bind(_KerasState, flavour, "KerasState", TensorFlowKerasState),
+        "CommitStateCallback": bind(_CommitState, flavour, "CommitStateCallback"),
+        "UpdateBatchStateCallback": bind(_UpdateBatchState, flavour, "UpdateBatchStateCallback"),
+        "UpdateEpochStateCallback": bind(_UpdateEpochState, flavour, "UpdateEpochStateCallback"),
+    }
+
+
+_TF = elastic_for(TF_KERAS)
+KerasState = _TF["KerasState"]
+CommitStateCallback = _TF["CommitStateCallback"]
+UpdateBatchStateCallback = _TF["UpdateBatchStateCallback"]
+UpdateEpochStateCallback = _TF["UpdateEpochStateCallback"]
 
 __all__ = ["CommitStateCallback", "HorovodInternalError", "HostsUpdatedInterrupt",
            "KerasState", "ObjectState", "State", "TensorFlowKerasState", "TensorFlowState",
