@@ -1,6 +1,7 @@
-//! Elastic TensorFlow and Keras 3 on hvd's one elastic core, with real TensorFlow from the
+//! Elastic TensorFlow and Keras on hvd's one elastic core, with real TensorFlow from the
 //! test virtualenv: `python/tests/keras_elastic_train.py`, the counter of
-//! `elastic_train.py` in Keras, through killed workers and hosts added and removed. Every
+//! `elastic_train.py` in Keras (Keras 3, and Keras 2 through `model.fit` under
+//! `TF_USE_LEGACY_KERAS=1`), through killed workers and hosts added and removed. Every
 //! committed step is applied exactly once: the counter's total is the sum of the sizes it
 //! ran at, and the model's one weight took one SGD step per training step.
 
@@ -11,7 +12,7 @@ mod support;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use support::pyenv::{elastic_script, passes_on};
+use support::pyenv::{elastic_script_with_env, passes_on};
 use support::{Job, assert_weights, check_counter, signal, steps_rerun};
 
 const SCRIPT: &str = "python/tests/keras_elastic_train.py";
@@ -30,10 +31,10 @@ fn a_tensorflow_state_rolls_back_exactly_and_refuses_mismatched_models() {
     passes_on("tensorflow_state.py", "tensorflow state", &[1, 2]);
 }
 
-/// The counter with `args` as 3 workers (127.0.0.2:2 and 127.0.0.3:1, up to `max_np`),
-/// once it has lost rank 2, 127.0.0.3's only worker (its host is blacklisted, the other
-/// stays), and goes on at size 2.
-fn after_a_killed_worker(name: &str, args: &[&str], max_np: &str) -> Job {
+/// The counter with `args` as 3 workers (127.0.0.2:2 and 127.0.0.3:1, up to `max_np`), with
+/// `env` set, once it has lost rank 2, 127.0.0.3's only worker (its host is blacklisted, the
+/// other stays), and goes on at size 2.
+fn after_a_killed_worker(name: &str, args: &[&str], max_np: &str, env: &[(&str, &str)]) -> Job {
     let flags = [
         "-np",
         "3",
@@ -45,7 +46,7 @@ fn after_a_killed_worker(name: &str, args: &[&str], max_np: &str) -> Job {
         START,
     ];
     let hosts = ["127.0.0.2:2", "127.0.0.3:1"];
-    let mut job = elastic_script(name, &hosts, &flags, SCRIPT, args);
+    let mut job = elastic_script_with_env(name, &hosts, &flags, SCRIPT, args, env);
     job.wait_step(15, 3);
     signal(job.pid_of_rank(2), Signal::SIGKILL);
     job.wait_step(1, 2);
@@ -58,7 +59,7 @@ fn after_a_killed_worker(name: &str, args: &[&str], max_np: &str) -> Job {
 fn a_keras_training_loop_survives_a_killed_worker_and_hosts_added_and_removed() {
     // Long enough for new workers to import TensorFlow and join on a loaded machine.
     let args = ["--steps", "1500", "--commit-every", "5", "--step-ms", "20"];
-    let mut job = after_a_killed_worker("tf-loop", &args, "4");
+    let mut job = after_a_killed_worker("tf-loop", &args, "4", KERAS_3);
     job.set_hosts(&["127.0.0.2:2", "127.0.0.4:2"]);
     job.wait_step(1, 4);
     job.set_hosts(&["127.0.0.4:2"]);
@@ -81,6 +82,20 @@ fn a_keras_training_loop_survives_a_killed_worker_and_hosts_added_and_removed() 
 /// committed at their end) loses a worker and gains a host.
 #[test]
 fn keras_fit_with_the_elastic_callbacks_survives_a_killed_worker_and_a_new_host() {
+    fit_through_a_killed_worker_and_a_new_host("tf-fit", KERAS_3);
+}
+
+/// The same on Keras 2: `TF_USE_LEGACY_KERAS=1` makes `tf.keras` `tf_keras`, and
+/// `hvd.tensorflow.keras` (its `DistributedOptimizer`, `KerasState` and callbacks) serves it.
+#[test]
+fn keras_2_fit_with_the_elastic_callbacks_survives_a_killed_worker_and_a_new_host() {
+    fit_through_a_killed_worker_and_a_new_host("tf-fit-keras2", &[("TF_USE_LEGACY_KERAS", "1")]);
+}
+
+/// `tf.keras` is Keras 3 whatever the caller's environment says.
+const KERAS_3: &[(&str, &str)] = &[("TF_USE_LEGACY_KERAS", "0")];
+
+fn fit_through_a_killed_worker_and_a_new_host(name: &str, env: &[(&str, &str)]) {
     let args = [
         "--fit",
         "--steps",
@@ -90,7 +105,7 @@ fn keras_fit_with_the_elastic_callbacks_survives_a_killed_worker_and_a_new_host(
         "--step-ms",
         "20",
     ];
-    let mut job = after_a_killed_worker("tf-fit", &args, "5");
+    let mut job = after_a_killed_worker(name, &args, "5", env);
     job.set_hosts(&["127.0.0.2:2", "127.0.0.4:3"]);
     job.wait_step(1, 5);
     let (code, err, lines) = job.finish_within(FINISH);

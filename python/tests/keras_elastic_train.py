@@ -10,17 +10,21 @@ weight equals ``-steps``.
 
 ``--fit`` trains through ``model.fit`` instead, with ``KerasState`` and Horovod's elastic
 callbacks, an epoch of ``--commit-every`` steps, committed at its end.
+
+The model is ``tf.keras``'s, the Keras ``hvd.tensorflow.keras`` serves: Keras 3, or Keras 2
+when the job runs with ``TF_USE_LEGACY_KERAS=1``.
 """
 
 import time
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 import counter
 import hvd.tensorflow.keras as hvd
 from hvd.tensorflow.keras import elastic
+
+keras = tf.keras
 
 
 def resnet18(classes=1000):

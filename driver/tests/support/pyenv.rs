@@ -111,6 +111,18 @@ pub fn elastic_script(
     script: &str,
     args: &[&str],
 ) -> super::Job {
+    elastic_script_with_env(name, hosts, flags, script, args, &[])
+}
+
+/// [`elastic_script`] with `env` set on the `horovodrun` command (its workers inherit it).
+pub fn elastic_script_with_env(
+    name: &str,
+    hosts: &[&str],
+    flags: &[&str],
+    script: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> super::Job {
     let dir = super::scratch(name);
     std::fs::write(dir.join("hosts"), hosts.join("\n") + "\n").expect("hosts");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
@@ -120,7 +132,8 @@ pub fn elastic_script(
         .args(["--discovery-interval", "0.2"])
         .arg(python())
         .arg(root().join(script))
-        .args(args);
+        .args(args)
+        .envs(env.iter().copied());
     super::Job::spawn(dir, cmd)
 }
 
