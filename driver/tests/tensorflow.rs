@@ -23,7 +23,10 @@ const LIMIT: Duration = Duration::from_secs(900);
 /// succeed. Returns the lines the workers printed.
 fn runs_printing(np: usize, script: &str, args: &[&str], expect: &[String]) -> Vec<String> {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+    // Importing TensorFlow takes tens of seconds when several ranks import it at once on a
+    // loaded 2-core machine.
     cmd.args(["-np", &np.to_string(), "-H", &format!("127.0.0.1:{np}")])
+        .args(["--start-timeout", "300"])
         .arg(python())
         .arg(root().join(script))
         .args(args);

@@ -47,21 +47,18 @@ def wide(t):
     return t.numpy().astype(np.int64) if t.dtype.is_integer else t.numpy()
 
 
+# Each reduction of a stack of inputs (float64, or int64 for ints), along the ranks.
+REDUCE = {"sum": lambda xs: xs.sum(0), "average": lambda xs: xs.mean(0),
+          "min": lambda xs: xs.min(0), "max": lambda xs: xs.max(0),
+          "product": lambda xs: xs.prod(0)}
+
+
 def reference(inputs, op, dtype):
-    """The reduction of ``inputs``, computed in float64 (ints in int64), then cast."""
-    xs = np.stack([wide(x) for x in inputs])
-    if op == "sum":
-        r = xs.sum(0)
-    elif op == "average":
-        r = xs.sum(0) / len(inputs)
-        if not dtype.is_floating:
-            r = np.trunc(r)
-    elif op == "min":
-        r = xs.min(0)
-    elif op == "max":
-        r = xs.max(0)
-    else:
-        r = xs.prod(0)
+    """The reduction of ``inputs``, computed in float64 (ints in int64; an integer average
+    truncated, as hvd's), then cast."""
+    r = REDUCE[op](np.stack([wide(x) for x in inputs]))
+    if op == "average" and not dtype.is_floating:
+        r = np.trunc(r)
     return tf.cast(tf.constant(r), dtype)
 
 
@@ -94,19 +91,24 @@ def check_before_init():
     expect_error(lambda: hvd.size(), RuntimeError, "not initialized")
 
 
-def reductions():
-    """(case, dtype, op, op's name, element count) of every allreduce case; products of
-    uint8 and half precision only on short inputs (3^4 overflows a byte and half precision
-    loses integers past 2^11)."""
-    short = {tf.uint8, tf.float16, tf.bfloat16}
-    cases = [(dtype, op, name, count) for dtype in DTYPES for op, name in OPS.items()
-             for count in ([1, 7] if name == "product" and dtype in short else COUNTS)]
-    return [(i + 1,) + c for i, c in enumerate(cases)]
+def reductions(sizes, first=1):
+    """(case, dtype, op, op's name, size) for every dtype and op, and every size that
+    ``sizes(dtype, op's name)`` lists; cases numbered from ``first``."""
+    cases = [(dtype, op, name, size) for dtype in DTYPES for op, name in OPS.items()
+             for size in sizes(dtype, name)]
+    return [(first + i,) + c for i, c in enumerate(cases)]
+
+
+def allreduce_counts(dtype, name):
+    """Element counts of the allreduce cases: products of uint8 and half precision only on
+    short inputs (3^4 overflows a byte and half precision loses integers past 2^11)."""
+    short = name == "product" and dtype in (tf.uint8, tf.float16, tf.bfloat16)
+    return [1, 7] if short else COUNTS
 
 
 def check_allreduce(r, n):
     cases = 0
-    for case, dtype, op, name, count in reductions():
+    for case, dtype, op, name, count in reductions(allreduce_counts):
         inputs = [data(p, case, count, dtype) for p in range(n)]
         want = reference(inputs, name, dtype)
         mine = inputs[r]
@@ -208,25 +210,24 @@ def check_movers(r, n):
 
 def check_reducescatter(r, n):
     cases = 0
-    case = 9000
-    for dtype in DTYPES:
-        for op, name in OPS.items():
-            for rows in (1, n, n + 1, 3 * n + 2):
-                if name == "product" and rows > n + 1:
-                    continue  # one case of each shape is enough for the products' overflow
-                case += 1
-                inputs = [tf.reshape(data(p, case, rows * 6, dtype), [rows, 2, 3])
-                          for p in range(n)]
-                want = reference([tf.reshape(i, [-1]) for i in inputs], name, dtype)
-                want = tf.reshape(want, [rows, 2, 3])
-                base, extra = divmod(rows, n)
-                start = r * base + min(r, extra)
-                mine = want[start:start + base + (1 if r < extra else 0)]
-                for got in both(lambda t: hvd.reducescatter(t, op=op), inputs[r]):
-                    assert got.shape == mine.shape, (dtype, name, rows, got.shape, mine.shape)
-                    assert close(tf.reshape(got, [-1]), tf.reshape(mine, [-1])), \
-                        (dtype, name, rows)
-                cases += 1
+    # Row counts below, at and past a multiple of the ranks; for products, one of each shape
+    # is enough for their overflow.
+    def row_counts(dtype, name):
+        return [rows for rows in (1, n, n + 1, 3 * n + 2) if name != "product" or rows <= n + 1]
+
+    for case, dtype, op, name, rows in reductions(row_counts, first=9000):
+        inputs = [tf.reshape(data(p, case, rows * 6, dtype), [rows, 2, 3])
+                  for p in range(n)]
+        want = reference([tf.reshape(i, [-1]) for i in inputs], name, dtype)
+        want = tf.reshape(want, [rows, 2, 3])
+        base, extra = divmod(rows, n)
+        start = r * base + min(r, extra)
+        mine = want[start:start + base + (1 if r < extra else 0)]
+        for got in both(lambda t: hvd.reducescatter(t, op=op), inputs[r]):
+            assert got.shape == mine.shape, (dtype, name, rows, got.shape, mine.shape)
+            assert close(tf.reshape(got, [-1]), tf.reshape(mine, [-1])), \
+                (dtype, name, rows)
+        cases += 1
     x = tf.ones([2 * n, 3])
     for got in both(lambda t: hvd.reducescatter(t, op=hvd.Sum, prescale_factor=2.0,
                                                 postscale_factor=0.25), x):
