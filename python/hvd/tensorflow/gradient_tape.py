@@ -1,6 +1,7 @@
 """``DistributedGradientTape``: a ``tf.GradientTape`` whose gradients are averaged (or
 reduced as ``op`` says) across the ranks before they are returned, as Horovod's."""
 
+import os
 import warnings
 
 import tensorflow as tf
@@ -36,6 +37,12 @@ def _split(items, n):
     return [p for p in parts if p]
 
 
+def communicates(process_set):
+    """Whether a reduction can change anything: more than one rank, or an elastic job,
+    whose world may grow (decided when a step is traced; a static world never changes)."""
+    return process_set.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
 def make_reducer(compression, sparse_as_dense, op, gradient_predivide_factor, groups,
                  process_set):
     """A function ``(grads, vars) -> reduced grads`` that reduces gradients as Horovod's
@@ -52,7 +59,7 @@ def make_reducer(compression, sparse_as_dense, op, gradient_predivide_factor, gr
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
         present = [(i, g) for i, g in enumerate(grads) if g is not None]
-        if not present or not process_set.included() or process_set.size() == 1:
+        if not present or not process_set.included() or not communicates(process_set):
             return grads
         if isinstance(groups, list):
             where = {id(v): i for i, v in enumerate(variables)}

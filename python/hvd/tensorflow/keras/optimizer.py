@@ -17,12 +17,11 @@ holds, and a saved model records the original class, so it loads without hvd.
 """
 
 import functools
-import os
 
 import tensorflow as tf
 
 import hvd.tensorflow as _hvd_tf
-from hvd.tensorflow.gradient_tape import check_grouping, make_reducer
+from hvd.tensorflow.gradient_tape import check_grouping, communicates, make_reducer
 
 try:
     from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla
@@ -88,7 +87,7 @@ class _Distributed:
     def _hvd_step(self, grads, variables, apply):
         """One update with gradients that are this rank's: reduced first (Average, Sum), or
         applied locally with the ranks' changes combined after (Adasum)."""
-        if not _communicates(self._hvd_settings.process_set):
+        if not communicates(self._hvd_settings.process_set):
             return apply(grads, variables)
         if self._hvd_settings.op is _hvd_tf.Adasum:
             return self._hvd_adasum_step(grads, variables, apply)
@@ -212,12 +211,6 @@ def _make_sums(acc, grads, variables):
             if g is not None and id(v) not in acc.sums:
                 acc.sums[id(v)] = tf.Variable(tf.zeros(v.shape, dtype=v.dtype),
                                               trainable=False)
-
-
-def _communicates(process_set):
-    """Whether a reduction can change anything: more than one rank, or an elastic job,
-    whose world may grow (decided when the step is traced; a static world never changes)."""
-    return process_set.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
 def _reduce(settings, grads, variables):
