@@ -13,8 +13,9 @@ on the Keras that ``tf.keras`` is: Keras 3 by default, Keras 2 (``tf_keras``) wh
   optimizer builds late), metrics are the ranks' mean, and the learning rate (and the
   momentum it carries) follows Horovod's formulas batch by batch;
 - ``load_model`` keeps the optimizer's state and wraps it (``.keras`` on Keras 3, ``.h5`` on
-  Keras 2; Keras 3's ``.h5`` loader drops the optimizer's slots); objects of the other Keras, TF1 optimizers, XLA and misuse are refused with errors
-  that say why (and name ``TF_USE_LEGACY_KERAS``).
+  Keras 2; Keras 3's ``.h5`` loader drops the optimizer's slots); objects of the other
+  Keras, TF1 optimizers, XLA and misuse are refused with errors that say why (and name
+  ``TF_USE_LEGACY_KERAS``).
 
 Prints ``keras ok: rank R of N`` and exits 0, or raises.
 """
