@@ -8,7 +8,7 @@
 //! **Where the scripts come from.** The project does not copy Horovod's code: the tests read
 //! the scripts from a Horovod checkout named by `HOROVOD_SRC` (a work tree, or a git directory
 //! whose `HEAD` is read with `git show`), change the imports in memory and write the result
-//! into the test's scratch directory. Without `HOROVOD_SRC` they are ignored:
+//! into the test's scratch directory. They are ignored unless asked for, with a checkout:
 //! `HOROVOD_SRC=../horovod cargo test -p hvd-driver --test tensorflow_examples -- --include-ignored`.
 //!
 //! **Keras 2.** The scripts are written for the Keras of TensorFlow 2.x before 2.16 (Keras 2):
@@ -28,8 +28,9 @@
 //! MNIST's hash also passes for a file whose own sha256 the test lists in
 //! `HVD_TEST_MNIST_SHA256` (the files it wrote). Nothing else changes: every other file and hash
 //! is checked as before, and a missing file would still be downloaded (and fail). The images
-//! are 28×28 where the steps must last (the elastic script), and 6×6 where the scripts' fixed
-//! step counts (5,000 and 24 × 250 per rank) would otherwise take most of an hour on 2 cores.
+//! are 28×28 where the steps must last (the elastic TensorFlow script, whose rounds must
+//! outlast a kill and a host change), and 6×6 where the scripts' fixed step counts (5,000 a rank;
+//! 24 epochs of 250) would otherwise take most of an hour on 2 cores.
 //!
 //! Also here: a smoke test of `examples/python/tensorflow_mwms_bench.py` (TensorFlow's
 //! MultiWorkerMirroredStrategy against hvd) with tiny sizes.
