@@ -68,10 +68,10 @@ fn a_keras_training_loop_survives_a_killed_worker_and_hosts_added_and_removed() 
     assert_eq!(code, 0, "{err}");
     assert_eq!(check_counter(&lines, 1500), 2);
     assert_weights(&lines, 1500);
-    // The two that finish joined with the new host: their reset callbacks ran on their
-    // first pass (the job was past its first round) and at the removal.
+    // The two that finish joined with the new host: their reset callbacks ran at the
+    // removal only (a new worker's first pass runs none, as in Horovod).
     for d in lines.iter().filter(|l| l.v["event"] == "done") {
-        assert_eq!(d.v["resets"], 2, "{}", d.v);
+        assert_eq!(d.v["resets"], 1, "{}", d.v);
     }
     // Only the failure rolls back: at most the steps since a commit (every 5), per survivor.
     let rerun = steps_rerun(&lines);

@@ -12,8 +12,10 @@ A framework's state says only how its objects are saved, restored and broadcast
   failure that left every survivor at the same commit nothing is sent at all;
 - a peer failure rolls every survivor back to its last commit;
 - a host change moves every rank on at the same step without rolling back;
-- the reset callbacks run after every change, and on the first pass of a worker that joined
-  a job past its first round.
+- after every change the reset callbacks run on the ranks that lived through it, in the new
+  round before the sync (as in Horovod: a callback may take part in collectives with the new
+  members' first steps); a worker's first pass runs none, so a new worker sets what depends
+  on the world when it builds its state.
 """
 
 import copy
@@ -62,8 +64,9 @@ class State:
         self._reset_callbacks = []
 
     def register_reset_callbacks(self, callbacks):
-        """Adds functions called after every membership change, once the state is
-        synchronized and before training resumes."""
+        """Adds functions called on every rank that lived through a membership change, in
+        the new round before the state is synchronized (a new worker's first pass runs
+        none, as in Horovod)."""
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self):
@@ -166,14 +169,18 @@ def run(func):
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        # A worker that joins a job past its first round has missed the resets before it.
-        reset = _hvd.generation() > 1
+        # As in Horovod: after a change the reset callbacks run first, then the sync; a
+        # worker's first pass (a new worker's too) only syncs.
+        reset = False
         while True:
             try:
-                state.sync()
-                if reset:
+                # Every member of a round past the job's first rebuilds the process sets
+                # (a collective), new workers too.
+                if reset or _hvd.generation() > 1:
                     _hvd.restore_process_sets()
+                if reset:
                     state.on_reset()
+                state.sync()
                 return func(state, *args, **kwargs)
             except Exception as raised:  # noqa: BLE001 (only hvd's own are handled)
                 e = _translated(raised)

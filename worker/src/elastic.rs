@@ -18,8 +18,8 @@
 //!
 //! [`run`] synchronizes the state from the worker holding the newest commit before calling
 //! the training function. When a collective fails (a peer died or hung), every survivor
-//! restores its last commit, joins the driver's next round, synchronizes, runs the reset
-//! callbacks and calls the function again. When the driver announces a host change,
+//! restores its last commit, joins the driver's next round, runs the reset callbacks,
+//! synchronizes and calls the function again (Horovod's order). When the driver announces a host change,
 //! [`State::commit`] or [`State::check_host_updates`] raises it on every rank at the same
 //! step; the ranks keep their current values (nothing is rolled back) and move to the new
 //! round the same way. Workers that join late always receive a sync.
@@ -299,8 +299,10 @@ impl<S: Syncable> State<S> {
         Ok(())
     }
 
-    /// Adds a function called after every membership change (and on the first pass of a
-    /// worker that joined after one), once the state is synchronized and before training resumes, with the new topology (to rescale a learning rate, say).
+    /// Adds a function called on every rank that lived through a membership change, in the
+    /// new round before the state is synchronized, with the new topology (to rescale a
+    /// learning rate, say). As in Horovod, a worker's first pass runs none: a new worker
+    /// sets what depends on the world when it builds its state.
     pub fn register_reset_callbacks(&mut self, f: impl FnMut(&Topology) + Send + 'static) {
         self.callbacks.push(Box::new(f));
     }
@@ -316,20 +318,13 @@ pub fn run<S: Syncable, R>(
     state: &mut State<S>,
     mut f: impl FnMut(&mut State<S>) -> Result<R>,
 ) -> Result<R> {
-    // A worker that joins a job already past its first round has missed the resets that
-    // came before: its callbacks run on its first pass too.
-    let mut reset = crate::generation() > 1;
+    // As in Horovod: after a change the callbacks run first, then the sync; a worker's first
+    // pass (a new worker's too) only syncs.
+    let mut reset = false;
     loop {
-        let result = state.sync().and_then(|()| {
-            if reset {
-                crate::process_set::restore()?;
-                let topology = crate::topology()?;
-                for cb in &mut state.callbacks {
-                    cb(&topology);
-                }
-            }
-            f(state)
-        });
+        let result = reset_callbacks(state, reset)
+            .and_then(|()| state.sync())
+            .and_then(|()| f(state));
         let reason = match result {
             Ok(r) => return Ok(r),
             Err(Error::HostsUpdated { update_id }) => {
@@ -356,6 +351,22 @@ pub fn run<S: Syncable, R>(
         }
         reset = true;
     }
+}
+
+/// Rebuilds the process sets in a round past the job's first (a collective: every member
+/// takes part, new workers too), then runs `state`'s reset callbacks with the new round's
+/// topology when `reset` (this worker lived through a membership change).
+fn reset_callbacks<S: Syncable>(state: &mut State<S>, reset: bool) -> Result<()> {
+    if reset || crate::generation() > 1 {
+        crate::process_set::restore()?;
+    }
+    if reset {
+        let topology = crate::topology()?;
+        for cb in &mut state.callbacks {
+            cb(&topology);
+        }
+    }
+    Ok(())
 }
 
 /// The steps of [`run`], for bindings whose state lives elsewhere (the Python package keeps
