@@ -465,9 +465,11 @@ fn tensorflow2_mnist_elastic_trains_through_a_kill_and_a_host_added_and_removed(
 /// Horovod's script pairs a new worker's first `model.fit` (one step, so an allreduce, before
 /// `hvd.elastic.run`) with the survivors' reset callback, which fits one step too: it relies on
 /// Horovod's order (`horovod/common/elastic.py`, `run_fn`), where after a reset the survivors
-/// run their reset callbacks before the state's sync, and a new worker runs none.
+/// run their reset callbacks before the state's sync, and a new worker runs none, which is
+/// hvd's order too. It now runs through the kill and the host added; after the host is
+/// removed the job stops making progress, which is not yet understood.
 #[test]
-#[ignore = "needs HOROVOD_SRC (a checkout of horovod/horovod); and reset callbacks before the sync"]
+#[ignore = "needs HOROVOD_SRC; stalls after the host is removed (open)"]
 fn tensorflow2_keras_mnist_elastic_trains_through_a_kill_and_a_host_added_and_removed() {
     let ex = example(
         "tf2-keras-mnist-elastic",

@@ -174,12 +174,13 @@ def run(func):
         reset = False
         while True:
             try:
-                # Every member of a round past the job's first rebuilds the process sets
-                # (a collective), new workers too.
-                if reset or _hvd.generation() > 1:
-                    _hvd.restore_process_sets()
                 if reset:
                     state.on_reset()
+                # Then every member of a round past the job's first rebuilds the process
+                # sets (a collective), new workers too: a callback's collectives pair with
+                # what a new worker runs before its state, as in Horovod.
+                if reset or _hvd.generation() > 1:
+                    _hvd.restore_process_sets()
                 state.sync()
                 return func(state, *args, **kwargs)
             except Exception as raised:  # noqa: BLE001 (only hvd's own are handled)

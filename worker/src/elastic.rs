@@ -353,18 +353,20 @@ pub fn run<S: Syncable, R>(
     }
 }
 
-/// Rebuilds the process sets in a round past the job's first (a collective: every member
-/// takes part, new workers too), then runs `state`'s reset callbacks with the new round's
-/// topology when `reset` (this worker lived through a membership change).
+/// Runs `state`'s reset callbacks with the new round's topology when `reset` (this worker
+/// lived through a membership change), then rebuilds the process sets in a round past the
+/// job's first (a collective: every member takes part, new workers too; after the callbacks,
+/// so that their collectives pair with what a new worker runs before its state, as in
+/// Horovod).
 fn reset_callbacks<S: Syncable>(state: &mut State<S>, reset: bool) -> Result<()> {
-    if reset || crate::generation() > 1 {
-        crate::process_set::restore()?;
-    }
     if reset {
         let topology = crate::topology()?;
         for cb in &mut state.callbacks {
             cb(&topology);
         }
+    }
+    if reset || crate::generation() > 1 {
+        crate::process_set::restore()?;
     }
     Ok(())
 }

@@ -18,7 +18,7 @@ from hvd.common.basics import _where, rank
 
 def contiguous(array):
     """``array`` as a C-contiguous numpy array (itself when it is one already)."""
-    return _np.ascontiguousarray(array)
+    return _np.require(array, requirements="C")  # a 0-d array keeps its shape
 
 
 # Outputs are aligned as TensorFlow's kernels require of the memory they read (Eigen's

@@ -97,12 +97,13 @@ class _DistributedGradientTape(tf.GradientTape):
         self._allreduce_grads = reduce
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
-        self._local_sources = set()
+        # By identity: Keras 3 variables have no ``ref()``; the values keep them alive.
+        self._local_sources = {}
 
     def register_local_source(self, source):
         """Marks ``source`` as this rank's own: its gradient is not reduced (only scaled by
         the ranks when ``scale_local_gradients``)."""
-        self._local_sources.add(source.ref())
+        self._local_sources[id(source)] = source
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False,
                  **kwargs):
@@ -110,7 +111,7 @@ class _DistributedGradientTape(tf.GradientTape):
         ranks (all but the local sources')."""
         flat = tf.nest.flatten(sources)
         grads = super().gradient(target, flat, output_gradients, **kwargs)
-        shared = [i for i, s in enumerate(flat) if s.ref() not in self._local_sources]
+        shared = [i for i, s in enumerate(flat) if id(s) not in self._local_sources]
         reduced = self._allreduce_grads([grads[i] for i in shared], [flat[i] for i in shared])
         grads = list(grads)
         for i, g in zip(shared, reduced):
@@ -119,7 +120,7 @@ class _DistributedGradientTape(tf.GradientTape):
             n = float(self.process_set.size())
             for i, s in enumerate(flat):
                 g = grads[i]
-                if s.ref() in self._local_sources and g is not None:
+                if id(s) in self._local_sources and g is not None:
                     grads[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
                                 if isinstance(g, tf.IndexedSlices) else g / n)
         return tf.nest.pack_sequence_as(sources, grads)

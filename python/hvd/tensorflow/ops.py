@@ -466,7 +466,8 @@ def _broadcast_group_kernel(root_rank, process_set):
     def kernel(*arrays):
         root = rank() == root_rank
         wires, backs = zip(*[_buf.native(a) for a in arrays]) if arrays else ((), ())
-        outs = [_np.ascontiguousarray(w) if root else _arrays.empty(w.shape, w.dtype)
+        # ``require`` keeps a 0-d array's shape (``ascontiguousarray`` makes it 1-d).
+        outs = [_np.require(w, requirements="C") if root else _arrays.empty(w.shape, w.dtype)
                 for w in wires]
         if _sid(process_set) is None:
             base = _name("broadcast_variables", None)
