@@ -64,6 +64,10 @@ class _VariablesState(ObjectState):
                 for v, s in zip(variables, shadows):
                     v.assign(s.read_value())
 
+            # Traced now, at the commit that first needs them: a rollback, which runs while
+            # the job waits, then only runs its graph.
+            save.get_concrete_function()
+            restore.get_concrete_function()
             self._programs = (key, save, restore)
         return self._programs[1], self._programs[2]
 
