@@ -98,6 +98,7 @@ class State:
             self._sync_from(root)
             if _hvd.topology()[0] in receivers:
                 self.save()
+        self._in_new_world()
         self._commits = commits
         self._fresh = False
         self._handled_update = max(self._handled_update, _hvd.updates_through())
@@ -117,6 +118,9 @@ class State:
 
     def _forget_pending(self):
         """Drops what a failed round left in flight (an optimizer's pending reductions)."""
+
+    def _in_new_world(self):
+        """Recomputes what depends on the world after a sync, which may have sent nothing."""
 
 
 def _stateful(v):
@@ -159,6 +163,14 @@ class ObjectState(State):
 
     def _sync_from(self, root):
         self._apply(_arrays.broadcast_object(self._snapshot(), root))
+
+    def _in_new_world(self):
+        # A value kept through its state_dict (an ElasticSampler) splits its work over the
+        # world when it loads one: loading its own makes it follow the new world.
+        for k in self._values:
+            v = getattr(self, k)
+            if _stateful(v):
+                v.load_state_dict(v.state_dict())
 
 
 def run(func):
