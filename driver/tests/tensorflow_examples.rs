@@ -44,11 +44,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use support::pyenv::{python, root, target_dir};
+use support::pyenv::{python, root};
 use support::{Job, scratch, signal};
-
-/// The Keras 2 that `TF_USE_LEGACY_KERAS=1` loads, for the TensorFlow of the test virtualenv.
-const TF_KERAS: &str = "tf-keras==2.21.0";
 
 /// Horovod's `rel` (a path in its repository), from the checkout `HOROVOD_SRC` names.
 fn horovod_file(rel: &str) -> String {
@@ -113,37 +110,6 @@ fn with_hvd_imports(script: &str) -> String {
     text
 }
 
-/// The test virtualenv's Python, with `tf-keras` installed (once, under the virtualenv's lock).
-fn python_with_tf_keras() -> &'static Path {
-    static READY: std::sync::Once = std::sync::Once::new();
-    let py = python();
-    READY.call_once(|| {
-        let has = || {
-            Command::new(py)
-                .args(["-c", "import tf_keras"])
-                .output()
-                .is_ok_and(|o| o.status.success())
-        };
-        if has() {
-            return;
-        }
-        let lock = std::fs::File::create(target_dir().join("pyenv.lock")).expect("the lock");
-        lock.lock().expect("locking the virtualenv");
-        if !has() {
-            let out = Command::new(py.with_file_name("pip"))
-                .args(["install", "--quiet", "--no-deps", TF_KERAS])
-                .output()
-                .expect("pip");
-            assert!(
-                out.status.success(),
-                "installing {TF_KERAS}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-    });
-    py
-}
-
 /// One of Horovod's examples, ready to run in a scratch directory (also the job's `Job` dir).
 struct Example {
     dir: PathBuf,
@@ -204,7 +170,7 @@ impl Example {
     fn horovodrun(&self, flags: &[&str], args: &[&str]) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
         cmd.args(flags)
-            .arg(python_with_tf_keras())
+            .arg(python())
             .arg(&self.script)
             .args(args)
             .current_dir(&self.dir)
@@ -565,7 +531,7 @@ fn assert_figures(system: &str, (train, sync): (serde_json::Value, serde_json::V
 #[test]
 fn the_mwms_benchmark_trains_and_syncs_under_multi_worker_mirrored_strategy() {
     let figures = summaries(
-        Command::new(python_with_tf_keras())
+        Command::new(python())
             .arg(mwms_bench())
             .args(["--workers", "2", "--timeout", "240"])
             .args(TINY)
@@ -579,7 +545,7 @@ fn the_mwms_benchmark_trains_and_syncs_under_hvd() {
     let figures = summaries(
         Command::new(env!("CARGO_BIN_EXE_horovodrun"))
             .args(["-np", "2", "-H", "127.0.0.1:2"])
-            .arg(python_with_tf_keras())
+            .arg(python())
             .arg(mwms_bench())
             .arg("--hvd")
             .args(TINY)
