@@ -848,6 +848,7 @@ impl Communicator {
         // Ranks of other host groups may share this machine's cores too.
         let spin = !self.crowded() && !self.background;
         let mut rounds = 0u32;
+        let mut checked = started;
         loop {
             let mut i = 0;
             while i < pending.len() {
@@ -890,7 +891,12 @@ impl Communicator {
                 break;
             }
             rounds = rounds.wrapping_add(1);
-            if rounds % 64 == 0 {
+            // A peer that died is looked for every 64 rounds of spinning, and at least every
+            // quarter millisecond of waiting: a sleeping round may take a millisecond or more
+            // on a loaded host, so counting rounds alone would notice a death tens of
+            // milliseconds late.
+            if rounds % 64 == 0 || checked.elapsed() >= Duration::from_micros(250) {
+                checked = std::time::Instant::now();
                 let waited = started.elapsed();
                 let gone = if self.shared.abort_reason().is_some() {
                     Some((pending[0], std::io::Error::other("aborted")))

@@ -213,12 +213,14 @@ def run(func):
                 _hvd.stop_engine()
             except HorovodInternalError:
                 pass  # stopped all the same: a broken round's engine ends with an error
-            rollback = _Background(state.restore) if failed else None
+            # The next round forms on a thread (in Rust, without the GIL) while this one
+            # rolls the state back: the rejoin starts at once.
+            rejoin = _Background(lambda: _rejoined(reason))
             try:
-                removed = _rejoined(reason)
+                if failed:
+                    state.restore()
             finally:
-                if rollback is not None:
-                    rollback.join()
+                removed = rejoin.join()
             if removed is not None:
                 print(f"hvd: removed from the job ({removed}); exiting", file=sys.stderr)
                 sys.exit(0)
@@ -238,24 +240,27 @@ def _rejoined(reason):
 
 
 class _Background:
-    """``work()`` on a thread of its own; ``join()`` waits for it and raises what it raised."""
+    """``work()`` on a thread of its own; ``join()`` waits for it and returns what it
+    returned, or raises what it raised."""
 
     def __init__(self, work):
         self._error = None
+        self._result = None
 
         def run_it():
             try:
-                work()
+                self._result = work()
             except BaseException as e:  # noqa: BLE001 (raised again by join)
                 self._error = e
 
-        self._thread = threading.Thread(target=run_it, name="hvd-rollback", daemon=True)
+        self._thread = threading.Thread(target=run_it, name="hvd-rejoin", daemon=True)
         self._thread.start()
 
     def join(self):
         self._thread.join()
         if self._error is not None:
             raise self._error
+        return self._result
 
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",

@@ -549,6 +549,26 @@ fn count_step() {
     hvd::elastic::steps::count_step();
 }
 
+/// Copies each `(destination, source, bytes)` region of live tensors, without the GIL: an
+/// elastic state's commit and rollback. `threads` defaults to the host's cores over its
+/// workers (the launcher's count while a round forms), so workers sharing a host never
+/// oversubscribe it.
+#[pyfunction]
+#[pyo3(signature = (regions, threads=None))]
+fn copy_regions(py: Python<'_>, regions: Vec<memory::CopyRegion>, threads: Option<usize>) {
+    let threads = threads.unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let workers = hvd::topology().map(|t| t.local_size).unwrap_or_else(|_| {
+            std::env::var("HOROVOD_LOCAL_SIZE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1)
+        });
+        cores / workers.max(1)
+    });
+    py.detach(|| memory::copy_regions(&regions, threads));
+}
+
 /// Rebuilds the previous round's process sets for the current one.
 #[pyfunction]
 fn restore_process_sets(py: Python<'_>) -> PyResult<()> {
@@ -792,6 +812,7 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(report_synced, m)?,
         wrap_pyfunction!(updates_through, m)?,
         wrap_pyfunction!(restore_process_sets, m)?,
+        wrap_pyfunction!(copy_regions, m)?,
         wrap_pyfunction!(join, m)?,
         wrap_pyfunction!(start_timeline, m)?,
         wrap_pyfunction!(stop_timeline, m)?,

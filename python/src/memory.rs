@@ -464,3 +464,59 @@ impl Region {
         (self.dtype.element() == T::DTYPE).then(|| unsafe { shared::<T>(self) }.to_vec())
     }
 }
+
+/// One `(destination, source, bytes)` copy of [`copy_regions`].
+pub type CopyRegion = (usize, usize, usize);
+
+/// Copies every region's bytes from its source to its destination, on `threads` threads at
+/// most: an elastic state's commit and rollback, outside PyTorch's thread pool (which
+/// oversubscribes a host running several workers) and while the caller released the GIL.
+///
+/// The caller holds every tensor named for the whole call, and no region's destination
+/// overlaps another region.
+pub fn copy_regions(regions: &[CopyRegion], threads: usize) {
+    // Contiguous shares of about equal bytes, one per thread; a region larger than a share is
+    // split across shares.
+    let total: usize = regions.iter().map(|r| r.2).sum();
+    let threads = threads.clamp(1, 64);
+    if threads == 1 || total < (8 << 20) {
+        for &(dst, src, n) in regions {
+            copy_bytes(dst, src, n);
+        }
+        return;
+    }
+    let share = total.div_ceil(threads);
+    let mut parts: Vec<Vec<CopyRegion>> = vec![Vec::new(); threads];
+    let (mut part, mut room) = (0, share);
+    for &(mut dst, mut src, mut n) in regions {
+        while n > 0 {
+            let take = n.min(room);
+            parts[part].push((dst, src, take));
+            (dst, src, n, room) = (dst + take, src + take, n - take, room - take);
+            if room == 0 && part + 1 < threads {
+                (part, room) = (part + 1, share);
+            }
+        }
+    }
+    std::thread::scope(|s| {
+        for p in &parts[1..] {
+            s.spawn(move || {
+                for &(dst, src, n) in p {
+                    copy_bytes(dst, src, n);
+                }
+            });
+        }
+        for &(dst, src, n) in &parts[0] {
+            copy_bytes(dst, src, n);
+        }
+    });
+}
+
+fn copy_bytes(dst: usize, src: usize, n: usize) {
+    if n == 0 || dst == src {
+        return;
+    }
+    // SAFETY: the caller passes the data pointers and byte lengths of live tensors it holds
+    // for the whole call; `copy` allows a source that overlaps its destination.
+    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) }
+}

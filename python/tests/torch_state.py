@@ -1,12 +1,15 @@
 """``TorchState``'s commit and rollback, in one process: what was written since a commit is
 rolled back exactly, whatever way it was written (in place, by an optimizer step, by
 replacing a parameter's data, by changing the optimizer's layout or hyperparameters), and
-the live tensors never share memory with the copy a rollback returns to.
+the live tensors never share memory with the copy a rollback returns to. The native copy
+that commits and rollbacks use gives every byte of every region, on one thread or split
+across several (a region larger than a thread's share is split between threads).
 """
 
 import torch
 
 import hvd.torch as hvd
+from hvd import _hvd
 
 
 def snapshot(model, opt):
@@ -116,7 +119,28 @@ def main():
     two.restore()
     for i, s in two_opt.state_dict()["state"].items():
         assert torch.equal(s["momentum_buffer"], committed[i]), "the commit was written to"
+    check_native_copies()
     print(f"torch state ok: rank {hvd.rank()} of {hvd.size()}")
+
+
+def check_native_copies():
+    # 12 MiB in all (over the single-thread cutoff) in regions of odd sizes, one of them
+    # larger than a share at any thread count.
+    g = torch.Generator().manual_seed(3)
+    sizes = [1, 7, 4099, 2_500_000, 13, 511_111, 0, 123_457]
+    for threads in (None, 1, 2, 3, 8):
+        srcs = [torch.randint(0, 255, (n,), generator=g, dtype=torch.uint8) for n in sizes]
+        srcs[3] = torch.randn(2_500_000, generator=g)
+        dsts = [torch.zeros_like(t) for t in srcs]
+        regions = [(d.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+                   for d, t in zip(dsts, srcs)]
+        if threads is None:
+            _hvd.copy_regions(regions)
+        else:
+            _hvd.copy_regions(regions, threads)
+        for i, (d, t) in enumerate(zip(dsts, srcs)):
+            assert torch.equal(d, t), f"region {i} ({t.numel()} elements) differs at " \
+                                      f"{threads} threads"
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class _VariablesState(ObjectState):
         ``restore`` every shadow back. In a graph an assignment hands the buffer over and
         the first later write copies it, where eager calls copy at once (a rollback of a
         ResNet-18's 94 MB costs about 1 ms instead of 30). Made again when the variables
-        change."""
+        change; the third value says whether this call made them."""
         key = tuple(id(v) for v in variables)
         if self._programs[0] != key:
             shadows = [tf.Variable(_value(v), trainable=False) for v in variables]
@@ -64,18 +64,23 @@ class _VariablesState(ObjectState):
                 for v, s in zip(variables, shadows):
                     v.assign(s.read_value())
 
-            # Traced now, at the commit that first needs them: a rollback, which runs while
-            # the job waits, then only runs its graph.
-            save.get_concrete_function()
-            restore.get_concrete_function()
             self._programs = (key, save, restore)
-        return self._programs[1], self._programs[2]
+            made = True
+        else:
+            made = False
+        return self._programs[1], self._programs[2], made
 
     def save(self):
         variables = self._variables()
         if variables:
-            save, _ = self._compiled(variables)
+            save, restore, made = self._compiled(variables)
             save()
+            if made:
+                # A function's first call instantiates and optimizes its graph (0.2 s for a
+                # ResNet-18 and its optimizer): paid here, at the commit that made it, not
+                # by the rollback while the job waits. Right after the save the rollback
+                # hands every variable its own value back.
+                restore()
         self._kept = len(variables)
         super().save()
 
@@ -90,7 +95,7 @@ class _VariablesState(ObjectState):
                 raise ValueError("the state's variables were replaced since its last commit "
                                  "(a model or optimizer built again): commit before training "
                                  "on")
-            _, restore = self._compiled(variables)
+            _, restore, _ = self._compiled(variables)
             restore()
         super().restore()
 

@@ -12,6 +12,7 @@ import torch
 
 from hvd.elastic import (HorovodInternalError, HostsUpdatedInterrupt, ObjectState,  # noqa: F401
                          State, run)
+from hvd import _hvd
 from hvd.torch import ops as _ops
 
 
@@ -22,25 +23,28 @@ class _Kept:
     def __init__(self):
         self.copy = None
 
-    def _clone(self, value, into):
+    def _clone(self, value, into, copies):
         if isinstance(value, torch.Tensor):
             value = value.detach()
             if (isinstance(into, torch.Tensor) and into.shape == value.shape
                     and into.dtype == value.dtype and into.device == value.device):
-                return into.copy_(value)
+                copies.append((into, value))
+                return into
             return value.clone()
         if isinstance(value, dict):
             old = into if isinstance(into, dict) else {}
-            return type(value)((k, self._clone(v, old.get(k))) for k, v in value.items())
+            return type(value)((k, self._clone(v, old.get(k), copies)) for k, v in value.items())
         if isinstance(value, (list, tuple)):
             old = into if isinstance(into, (list, tuple)) and len(into) == len(value) else \
                 [None] * len(value)
-            return type(value)(self._clone(v, o) for v, o in zip(value, old))
+            return type(value)(self._clone(v, o, copies) for v, o in zip(value, old))
         return copy.deepcopy(value)
 
     def save(self, state_dict):
         """Copies ``state_dict`` aside, into the tensors of the previous copy."""
-        self.copy = self._clone(state_dict, self.copy)
+        copies = []
+        self.copy = self._clone(state_dict, self.copy, copies)
+        _copy_all(copies, written=False)
 
     def restore_tensors(self, live, saved):
         """Writes the tensors of ``saved`` (part of the copy) back into ``live``'s, in place;
@@ -48,14 +52,43 @@ class _Kept:
         pairs = []
         if not _pairs(live, saved, pairs):
             return False
-        with torch.no_grad():
-            for dst, src in pairs:
-                dst.copy_(src)
+        _copy_all(pairs, written=True)
         return True
 
     def loadable(self):
         """The copy as a ``state_dict`` to load whole, sharing no memory with the copy kept."""
-        return self._clone(self.copy, None)
+        return self._clone(self.copy, None, [])
+
+
+def _bytewise(dst, src):
+    """Whether ``src`` can be copied into ``dst`` as plain bytes: both dense CPU tensors of
+    one layout."""
+    return (dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous()
+            and src.is_contiguous() and not dst.is_conj() and not src.is_conj()
+            and not dst.is_neg() and not src.is_neg())
+
+
+def _copy_all(pairs, written):
+    """Copies each ``(dst, src)`` pair of same-shaped tensors: CPU ones in one native call
+    without the GIL and outside PyTorch's thread pool (workers sharing a host would
+    oversubscribe it: a 94 MB commit took 150-300 ms at 4 workers on 2 cores, against 20-40),
+    the others with ``copy_``. ``written``: the destinations are live tensors, whose
+    version counters move as an in-place write's would."""
+    regions, native, rest = [], [], []
+    for dst, src in pairs:
+        if _bytewise(dst, src):
+            regions.append((dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()))
+            native.append(dst)
+        else:
+            rest.append((dst, src))
+    if regions:
+        _hvd.copy_regions(regions)
+        if written:
+            for dst in native:
+                _ops._written(dst)
+    with torch.no_grad():
+        for dst, src in rest:
+            dst.copy_(src)
 
 
 def _pairs(live, saved, out):
