@@ -10,13 +10,10 @@
 
 mod support;
 
-use std::process::{Command, Stdio};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use nix::sys::signal::Signal;
-use support::pyenv::{python, root};
-use support::{scratch, signal};
+use support::pyenv::passes_on_with;
 
 /// Longest one run may take: a run of 3 ranks takes about 80 s on an idle 2-core machine,
 /// and several test binaries load it at once.
@@ -26,67 +23,13 @@ const LIMIT: Duration = Duration::from_secs(900);
 /// slow each other down.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// Runs `python/tests/<script>` as `np` ranks on this host through `horovodrun`, with `env`
-/// set, stopped after [`LIMIT`]; returns its exit code (None when it was stopped) and its
-/// output.
-fn run_ranks(np: usize, script: &str, env: &[(&str, &str)]) -> (Option<i32>, String) {
+/// Runs `keras_api.py` on each of `nps` ranks counts with `env`, one run at a time; every
+/// rank must report.
+fn passes(nps: &[usize], env: &[(&str, &str)]) {
     let _one = ONE_AT_A_TIME
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let tag: String = env.iter().map(|(_, v)| format!("-{v}")).collect();
-    let dir = scratch(&format!("keras-{np}{tag}"));
-    let (out, err) = (dir.join("stdout"), dir.join("stderr"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
-        .args(["-np", &np.to_string(), "-H", &format!("127.0.0.1:{np}")])
-        .arg(python())
-        .arg(root().join("python/tests").join(script))
-        .envs(env.iter().copied())
-        .stdout(Stdio::from(
-            std::fs::File::create(&out).expect("stdout file"),
-        ))
-        .stderr(Stdio::from(
-            std::fs::File::create(&err).expect("stderr file"),
-        ))
-        .spawn()
-        .expect("horovodrun");
-    let deadline = Instant::now() + LIMIT;
-    let code = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status.code();
-        }
-        if Instant::now() > deadline {
-            // horovodrun stops its workers on SIGTERM.
-            signal(child.id() as i32, Signal::SIGTERM);
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
-    let text = format!(
-        "{}\n{}",
-        std::fs::read_to_string(&out).unwrap_or_default(),
-        std::fs::read_to_string(&err).unwrap_or_default()
-    );
-    let _ = std::fs::remove_dir_all(&dir);
-    (code, text)
-}
-
-/// Runs `keras_api.py` on each of `nps` ranks counts with `env`; every rank must report.
-fn passes(nps: &[usize], env: &[(&str, &str)]) {
-    for &np in nps {
-        let (code, out) = run_ranks(np, "keras_api.py", env);
-        assert_eq!(
-            code,
-            Some(0),
-            "{np} ranks {env:?} (None: stopped after {LIMIT:?}):\n{out}"
-        );
-        for rank in 0..np {
-            assert!(
-                out.contains(&format!("keras ok: rank {rank} of {np}")),
-                "{np} ranks {env:?}, rank {rank}:\n{out}"
-            );
-        }
-    }
+    passes_on_with("keras_api.py", "keras", nps, env, LIMIT);
 }
 
 #[test]

@@ -3,8 +3,9 @@
 //! shared by every test binary that runs Python.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// The repository's root.
 pub fn root() -> PathBuf {
@@ -141,21 +142,75 @@ pub fn elastic_script_with_env(
 /// on this host, for each `np` of `nps`, through `horovodrun`; the job must succeed and every
 /// rank print `<what> ok: rank R of N`.
 pub fn passes_on(script: &str, what: &str, nps: &[usize]) {
+    passes_on_with(script, what, nps, &[], Duration::from_secs(900));
+}
+
+/// [`passes_on`] with `env` set for the job, each run stopped after `limit`.
+pub fn passes_on_with(
+    script: &str,
+    what: &str,
+    nps: &[usize],
+    env: &[(&str, &str)],
+    limit: Duration,
+) {
     for &np in nps {
-        let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
-            .args(["-np", &np.to_string(), "-H", &format!("127.0.0.1:{np}")])
-            .arg(python())
-            .arg(root().join("python/tests").join(script))
-            .output()
-            .expect("horovodrun");
-        let text = String::from_utf8_lossy(&out.stdout);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{np} ranks:\n{text}\n{err}");
+        let (code, text) = run_ranks(np, script, env, limit);
+        assert_eq!(
+            code,
+            Some(0),
+            "{np} ranks {env:?} (None: stopped after {limit:?}):\n{text}"
+        );
         for rank in 0..np {
             assert!(
                 text.contains(&format!("{what} ok: rank {rank} of {np}")),
-                "{np} ranks, rank {rank}:\n{text}\n{err}"
+                "{np} ranks {env:?}, rank {rank}:\n{text}"
             );
         }
     }
+}
+
+/// Runs `python/tests/<script>` as `np` ranks on this host through `horovodrun`, with `env`
+/// set, stopped (SIGTERM, which stops its workers) after `limit`; returns its exit code (None
+/// when it was stopped) and its output, stdout then stderr.
+fn run_ranks(
+    np: usize,
+    script: &str,
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> (Option<i32>, String) {
+    let tag: String = env.iter().map(|(_, v)| format!("-{v}")).collect();
+    let dir = super::scratch(&format!("{script}-{np}{tag}"));
+    let (out, err) = (dir.join("stdout"), dir.join("stderr"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args(["-np", &np.to_string(), "-H", &format!("127.0.0.1:{np}")])
+        .arg(python())
+        .arg(root().join("python/tests").join(script))
+        .envs(env.iter().copied())
+        .stdout(Stdio::from(
+            std::fs::File::create(&out).expect("stdout file"),
+        ))
+        .stderr(Stdio::from(
+            std::fs::File::create(&err).expect("stderr file"),
+        ))
+        .spawn()
+        .expect("horovodrun");
+    let deadline = Instant::now() + limit;
+    let code = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status.code();
+        }
+        if Instant::now() > deadline {
+            super::signal(child.id() as i32, nix::sys::signal::Signal::SIGTERM);
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let text = format!(
+        "{}\n{}",
+        std::fs::read_to_string(&out).unwrap_or_default(),
+        std::fs::read_to_string(&err).unwrap_or_default()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    (code, text)
 }
