@@ -487,14 +487,23 @@ pub fn copy_regions(regions: &[CopyRegion], threads: usize) {
     }
     let share = total.div_ceil(threads);
     let mut parts: Vec<Vec<CopyRegion>> = vec![Vec::new(); threads];
-    let (mut part, mut room) = (0, share);
+    // The last share takes whatever is left, so no byte can be without a share.
+    let room_of = |part: usize| {
+        if part + 1 == threads {
+            usize::MAX
+        } else {
+            share
+        }
+    };
+    let (mut part, mut room) = (0, room_of(0));
     for &(mut dst, mut src, mut n) in regions {
         while n > 0 {
             let take = n.min(room);
             parts[part].push((dst, src, take));
             (dst, src, n, room) = (dst + take, src + take, n - take, room - take);
-            if room == 0 && part + 1 < threads {
-                (part, room) = (part + 1, share);
+            if room == 0 {
+                part += 1;
+                room = room_of(part);
             }
         }
     }
