@@ -152,7 +152,37 @@ impl<B: Buffer> Tensor for B {
     }
 }
 
-type Reply = mpsc::Sender<Result<Box<dyn Any + Send>>>;
+/// An op's result as the engine hands it over: the tensor, of its own type.
+type Outcome = Result<Box<dyn Any + Send>>;
+
+/// What the engine gives an op's result to.
+enum Reply {
+    /// The channel a [`Handle`] waits on.
+    Channel(mpsc::Sender<Outcome>),
+    /// A function the engine's thread calls with the result ([`Submitter::allreduce_then`]).
+    Call(Box<dyn FnOnce(Outcome) + Send>),
+}
+
+impl Reply {
+    /// Hands `result` over; a handle that was dropped meanwhile is no error.
+    fn send(self, result: Outcome) {
+        match self {
+            Self::Channel(tx) => {
+                let _ = tx.send(result);
+            }
+            Self::Call(f) => f(result),
+        }
+    }
+}
+
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Channel(_) => "Reply::Channel",
+            Self::Call(_) => "Reply::Call",
+        })
+    }
+}
 
 /// The collective an op runs, with its parameters.
 #[derive(Debug, Clone, PartialEq)]
@@ -347,16 +377,31 @@ fn submit<B: Buffer, R: 'static>(
     coll: Coll,
 ) -> Handle<B::Elem, R> {
     let (reply, rx) = mpsc::channel();
+    send_request(tx, name, Box::new(tensor), coll, Reply::Channel(reply));
+    Handle::new(rx, name)
+}
+
+/// Queues a request on the engine behind `tx`. A stopped engine has dropped its receiver:
+/// the reply then gets that error at once.
+fn send_request(
+    tx: &mpsc::Sender<Command>,
+    name: &str,
+    tensor: Box<dyn Tensor>,
+    coll: Coll,
+    reply: Reply,
+) {
     let req = Request {
         name: name.to_string(),
         submitted: Instant::now(),
         coll,
-        tensor: Box::new(tensor),
+        tensor,
         reply,
     };
-    // A stopped engine drops the request; the handle then reports it.
-    let _ = tx.send(Command::Op(req));
-    Handle::new(rx, name)
+    if let Err(mpsc::SendError(Command::Op(req))) = tx.send(Command::Op(req)) {
+        req.reply.send(Err(CommError::Broken {
+            cause: format!("the engine stopped before op '{name}' ran"),
+        }));
+    }
 }
 
 /// Submits ops to an [`Engine`] without owning it.
@@ -376,6 +421,35 @@ impl Submitter {
         op: ReduceOp,
     ) -> Handle<B::Elem, B> {
         submit(&self.tx, name, tensor, Coll::Allreduce(op))
+    }
+
+    /// Submits an allreduce as [`Submitter::allreduce_async`] does, and calls `then` with the
+    /// reduced tensor or the op's error when it completes. `then` runs on the engine's thread,
+    /// before the engine goes on: it should hand the result over and return (a compiled
+    /// framework op's completion callback, which schedules the ops waiting for it).
+    pub fn allreduce_then<B: Buffer>(
+        &self,
+        name: &str,
+        tensor: B,
+        op: ReduceOp,
+        then: impl FnOnce(Result<B>) + Send + 'static,
+    ) {
+        let call = move |r: Result<Box<dyn Any + Send>>| {
+            then(r.and_then(|any| {
+                any.downcast::<B>()
+                    .map(|b| *b)
+                    .map_err(|_| CommError::Broken {
+                        cause: "an allreduce came back with another element type".into(),
+                    })
+            }));
+        };
+        send_request(
+            &self.tx,
+            name,
+            Box::new(tensor),
+            Coll::Allreduce(op),
+            Reply::Call(Box::new(call)),
+        );
     }
 
     /// Submits a reducescatter: the handle gives this rank's block of the reduced tensor
@@ -901,7 +975,7 @@ impl Worker {
         match c {
             Command::Op(r) => {
                 if self.pending.iter().any(|p| p.name == r.name) {
-                    let _ = r.reply.send(Err(CommError::InvalidArgument {
+                    r.reply.send(Err(CommError::InvalidArgument {
                         op: "engine",
                         detail: format!("an op named '{}' is already pending", r.name),
                     }));
@@ -959,7 +1033,7 @@ impl Worker {
                 Err(e) => {
                     let msg = e.to_string();
                     for r in self.pending.drain(..) {
-                        let _ = r.reply.send(Err(CommError::Broken { cause: msg.clone() }));
+                        r.reply.send(Err(CommError::Broken { cause: msg.clone() }));
                     }
                     self.fail_join(&msg);
                     // The communicator is broken; later submissions fail at once.
@@ -969,7 +1043,7 @@ impl Worker {
             }
         }
         for r in self.pending.drain(..) {
-            let _ = r.reply.send(Err(CommError::Broken {
+            r.reply.send(Err(CommError::Broken {
                 cause: "the engine stopped".into(),
             }));
         }
@@ -995,7 +1069,7 @@ impl Worker {
         while let Ok(c) = self.rx.recv() {
             match c {
                 Command::Op(r) => {
-                    let _ = r.reply.send(Err(CommError::Broken {
+                    r.reply.send(Err(CommError::Broken {
                         cause: msg.to_string(),
                     }));
                 }
@@ -1032,7 +1106,7 @@ impl Worker {
             let who: Vec<usize> = (0..n).filter(|&r| gathered[r].stopping).collect();
             let cause = format!("the engine stopped on ranks {who:?}");
             for r in self.pending.drain(..) {
-                let _ = r.reply.send(Err(CommError::Broken {
+                r.reply.send(Err(CommError::Broken {
                     cause: cause.clone(),
                 }));
             }
@@ -1126,7 +1200,7 @@ impl Worker {
         for (name, e) in failed {
             if let Some(i) = self.pending.iter().position(|r| r.name == name) {
                 let r = self.pending.remove(i);
-                let _ = r.reply.send(Err(e));
+                r.reply.send(Err(e));
             }
         }
         if let Some(t) = self.timeline() {
@@ -1426,15 +1500,15 @@ impl Worker {
                         "",
                     );
                 }
-                let _ = reply.send(Ok(out));
+                reply.send(Ok(out));
                 Ok(())
             }
             Err(e) if !e.is_fatal() => {
-                let _ = reply.send(Err(e));
+                reply.send(Err(e));
                 Ok(())
             }
             Err(e) => {
-                let _ = reply.send(Err(CommError::Broken {
+                reply.send(Err(CommError::Broken {
                     cause: e.to_string(),
                 }));
                 Err(e)
@@ -1465,7 +1539,7 @@ impl Worker {
             batch[0].tensor.reduce(&mut self.comm, op)?;
             self.trace(&batch, "ALLREDUCE", start);
             let r = batch.remove(0);
-            let _ = r.reply.send(Ok(r.tensor.into_any()));
+            r.reply.send(Ok(r.tensor.into_any()));
             return Ok(());
         }
         let dtype = batch[0].tensor.dtype();
@@ -1475,7 +1549,7 @@ impl Worker {
             group_in_place(&mut self.comm, dtype, op, &mut batch)?;
             self.trace(&batch, "ALLREDUCE_FUSED_IN_PLACE", start);
             for r in batch {
-                let _ = r.reply.send(Ok(r.tensor.into_any()));
+                r.reply.send(Ok(r.tensor.into_any()));
             }
             return Ok(());
         }
@@ -1513,7 +1587,7 @@ impl Worker {
         }
         self.trace(&batch, "MEMCPY_OUT_FUSION_BUFFER", start);
         for r in batch {
-            let _ = r.reply.send(Ok(r.tensor.into_any()));
+            r.reply.send(Ok(r.tensor.into_any()));
         }
         Ok(())
     }
@@ -1545,6 +1619,7 @@ fn zero_request(sig: &Sig) -> Option<Request> {
     let count = usize::try_from(sig.count).ok()?;
     let dtype = DType::from_tag(sig.dtype)?;
     let (reply, _) = mpsc::channel();
+    let reply = Reply::Channel(reply);
     Some(Request {
         name: sig.name.clone(),
         submitted: Instant::now(),

@@ -218,6 +218,80 @@ fn a_dead_peer_fails_every_pending_op_and_later_ones() {
     }
 }
 
+/// Ops submitted with a completion function, in different orders on different ranks: each
+/// function is called once, with its own tensor reduced.
+#[test]
+fn completion_functions_get_each_result_once() {
+    let out = world(3, |comm| {
+        let r = comm.rank();
+        let e = engine(comm, EngineConfig::default());
+        let s = e.submitter();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut order: Vec<usize> = (0..20).collect();
+        if r == 1 {
+            order.reverse();
+        }
+        for i in order {
+            let tx = tx.clone();
+            s.allreduce_then(
+                &format!("t/{i}"),
+                vec![(r + i) as f64; 1 + i * 100],
+                ReduceOp::Sum,
+                move |got| {
+                    let _ = tx.send((i, got));
+                },
+            );
+        }
+        drop(tx);
+        let mut seen: Vec<(usize, Vec<f64>)> = rx
+            .iter()
+            .map(|(i, got)| (i, got.expect("reduced")))
+            .collect();
+        seen.sort_by_key(|(i, _)| *i);
+        let stopped = e.stop().is_some();
+        (seen, stopped, r)
+    });
+    for (seen, stopped, _) in &out {
+        assert!(stopped);
+        assert_eq!(seen.len(), 20, "each function is called once");
+        for (i, got) in seen {
+            let want = (0..3).map(|q| (q + i) as f64).sum::<f64>();
+            assert_eq!(got.len(), 1 + i * 100);
+            assert!(got.iter().all(|&v| v == want), "t/{i}: {:?}", &got[..1]);
+        }
+    }
+}
+
+#[test]
+fn a_completion_function_gets_the_error_of_a_dead_peer_or_a_stopped_engine() {
+    let out = world(2, |comm| {
+        if comm.rank() == 1 {
+            drop(std::mem::replace(
+                comm,
+                hvd_collectives::Communicator::single(),
+            ));
+            return None;
+        }
+        let e = engine(comm, EngineConfig::default());
+        let s = e.submitter();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx2 = tx.clone();
+        s.allreduce_then("a", vec![1.0f32; 10], ReduceOp::Sum, move |got| {
+            let _ = tx.send(got.map(|_| ()));
+        });
+        let first = rx.recv_timeout(Duration::from_secs(10)).expect("called");
+        let _ = e.stop();
+        s.allreduce_then("b", vec![1.0f32; 10], ReduceOp::Sum, move |got| {
+            let _ = tx2.send(got.map(|_| ()));
+        });
+        let later = rx.recv_timeout(Duration::from_secs(10)).expect("called");
+        Some((first.unwrap_err(), later.unwrap_err()))
+    });
+    let (first, later) = out.into_iter().flatten().next().expect("rank 0");
+    assert!(matches!(first, CommError::Broken { .. }), "{first}");
+    assert!(later.to_string().contains("'b'"), "{later}");
+}
+
 #[test]
 fn fp16_compression_halves_the_wire_and_keeps_three_digits() {
     use hvd_collectives::Compression;

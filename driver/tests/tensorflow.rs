@@ -20,9 +20,16 @@ const LIMIT: Duration = Duration::from_secs(900);
 
 /// Runs `script` (relative to the repository) with `args` as `np` ranks on this host through
 /// `horovodrun`; every line of `expect` must be printed, within [`LIMIT`], and the job must
-/// succeed. Returns the lines the workers printed.
-fn runs_printing(np: usize, script: &str, args: &[&str], expect: &[String]) -> Vec<String> {
+/// succeed. `env` is set for the job. Returns the lines the workers printed.
+fn runs_printing(
+    np: usize,
+    script: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    expect: &[String],
+) -> Vec<String> {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_horovodrun"));
+    cmd.envs(env.iter().copied());
     // Importing TensorFlow takes tens of seconds when several ranks import it at once on a
     // loaded 2-core machine.
     cmd.args(["-np", &np.to_string(), "-H", &format!("127.0.0.1:{np}")])
@@ -31,7 +38,8 @@ fn runs_printing(np: usize, script: &str, args: &[&str], expect: &[String]) -> V
         .arg(root().join(script))
         .args(args);
     let name = script.rsplit('/').next().unwrap_or(script);
-    let mut job = Job::spawn(scratch(&format!("tf-{name}-{np}")), cmd);
+    let tag: String = env.iter().map(|(k, _)| format!("-{k}")).collect();
+    let mut job = Job::spawn(scratch(&format!("tf-{name}-{np}{tag}")), cmd);
     let deadline = Instant::now() + LIMIT;
     for want in expect {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -63,8 +71,32 @@ fn every_tensorflow_collective_matches_its_reference_on_1_2_and_3_ranks() {
         let expect: Vec<String> = (0..np)
             .map(|rank| format!("tensorflow ok: rank {rank} of {np}"))
             .collect();
-        runs_printing(np, "python/tests/tensorflow_ops.py", &[], &expect);
+        runs_printing(np, "python/tests/tensorflow_ops.py", &[], &[], &expect);
     }
+}
+
+/// Inside `tf.function` the same checks pass where hvd's compiled op is turned off, and where
+/// it cannot be built (no working compiler, a cache of its own): allreduces are then
+/// `numpy_function` nodes, and the script checks that they are.
+#[test]
+fn tensorflow_collectives_are_right_without_the_compiled_op() {
+    let expect: Vec<String> = (0..2)
+        .map(|rank| format!("tensorflow ok: rank {rank} of 2"))
+        .collect();
+    let script = "python/tests/tensorflow_ops.py";
+    let numpy = [("HVD_TEST_GRAPH_OPS", "numpy")];
+    runs_printing(
+        2,
+        script,
+        &[],
+        &[numpy[0], ("HVD_TF_GRAPH_OPS", "0")],
+        &expect,
+    );
+    let dir = scratch("tf-graph-ops-cache");
+    let cache = dir.to_str().expect("a UTF-8 path");
+    let broken = [numpy[0], ("CXX", "false"), ("HVD_CACHE_DIR", cache)];
+    runs_printing(1, script, &[], &broken, &expect[..1]);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Every call of the example checks that the 4-byte sum is the world's size; rank 0 reports
@@ -86,6 +118,7 @@ fn a_4_byte_tensorflow_allreduce_is_right_eagerly_and_in_tf_function() {
             "--warmup",
             "5",
         ],
+        &[],
         &expect,
     );
     assert!(

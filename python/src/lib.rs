@@ -6,6 +6,7 @@
 
 #![deny(unsafe_code)]
 
+mod graph_op;
 mod memory;
 
 use std::sync::{Mutex, PoisonError};
@@ -40,6 +41,11 @@ fn raise(e: Error) -> PyErr {
 }
 
 fn op_from(name: &str) -> PyResult<ReduceOp> {
+    reduce_op(name).map_err(PyValueError::new_err)
+}
+
+/// The reduction named `name` (`hvd.Sum.name` and the others).
+fn reduce_op(name: &str) -> Result<ReduceOp, String> {
     Ok(match name {
         "sum" => ReduceOp::Sum,
         "average" => ReduceOp::Average,
@@ -48,9 +54,9 @@ fn op_from(name: &str) -> PyResult<ReduceOp> {
         "product" => ReduceOp::Product,
         "adasum" => ReduceOp::Adasum,
         other => {
-            return Err(PyValueError::new_err(format!(
+            return Err(format!(
                 "unknown reduction '{other}': expected sum, average, min, max, product or adasum"
-            )));
+            ));
         }
     })
 }
@@ -132,14 +138,20 @@ fn broadcast_(
 static ENGINE: Mutex<Option<Engine>> = Mutex::new(None);
 
 fn submitter() -> PyResult<Submitter> {
+    engine_submitter().map_err(raise)
+}
+
+/// The background engine's submitter, starting the engine if it does not run.
+fn engine_submitter() -> Result<Submitter, Error> {
     let mut engine = ENGINE.lock().unwrap_or_else(PoisonError::into_inner);
-    if engine.is_none() {
-        let cfg = hvd::engine_config().map_err(raise)?;
-        *engine = Some(hvd::start_engine(cfg).map_err(raise)?);
-    }
     match engine.as_ref() {
         Some(e) => Ok(e.submitter()),
-        None => Err(PyRuntimeError::new_err("the engine did not start")),
+        None => {
+            let e = hvd::start_engine(hvd::engine_config()?)?;
+            let s = e.submitter();
+            *engine = Some(e);
+            Ok(s)
+        }
     }
 }
 
@@ -816,6 +828,7 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(join, m)?,
         wrap_pyfunction!(start_timeline, m)?,
         wrap_pyfunction!(stop_timeline, m)?,
+        wrap_pyfunction!(graph_op::grouped_allreduce_entry, m)?,
     ] {
         m.add_function(f)?;
     }

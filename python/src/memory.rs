@@ -1,4 +1,5 @@
-//! Tensor memory handed over by address and length: the package's only `unsafe`.
+//! Tensor memory handed over by address and length: with [`crate::graph_op`]'s entry point, the
+//! package's only `unsafe`.
 //!
 //! `hvd.torch` passes a contiguous CPU tensor's `data_ptr()`, `numel()` and dtype, and holds a
 //! reference to the tensor for the whole call, so the memory lives until the call returns. The
@@ -128,28 +129,42 @@ impl Slice<'_> {
 impl Region {
     /// Checks a region handed over from Python.
     pub fn new(address: usize, count: usize, dtype: DType) -> PyResult<Self> {
+        Self::checked(address, count, dtype).map_err(PyValueError::new_err)
+    }
+
+    /// Checks a region handed over by address: not null, aligned for `dtype`, and of a size
+    /// that fits the address space; the error says which.
+    pub fn checked(address: usize, count: usize, dtype: DType) -> Result<Self, String> {
         let bytes = count
             .checked_mul(dtype.size())
             .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| PyValueError::new_err(format!("{count} elements are too many")))?;
+            .ok_or_else(|| format!("{count} elements are too many"))?;
         if count > 0 && address == 0 {
-            return Err(PyValueError::new_err("a tensor with no memory"));
+            return Err("a tensor with no memory".into());
         }
         if address % dtype.size() != 0 {
-            return Err(PyValueError::new_err(format!(
+            return Err(format!(
                 "tensor memory at {address:#x} is not aligned for {dtype:?}"
-            )));
+            ));
         }
         if address.checked_add(bytes).is_none() {
-            return Err(PyValueError::new_err(
-                "tensor memory wraps the address space",
-            ));
+            return Err("tensor memory wraps the address space".into());
         }
         Ok(Self {
             address,
             count,
             dtype,
         })
+    }
+
+    /// The region's element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The region's number of elements.
+    pub fn count(&self) -> usize {
+        self.count
     }
 
     /// Runs `f` on the region as a mutable slice of its element type.
@@ -167,8 +182,9 @@ impl Region {
             });
         }
         let (p, n) = (self.address, self.count);
-        // SAFETY: `hvd.torch` passes the data pointer and element count of a live, contiguous
-        // CPU tensor of this dtype, which it keeps referenced until the call returns (so the
+        // SAFETY: `hvd.torch` (or the compiled TensorFlow op, see `graph_op`) passes the data
+        // pointer and element count of a live, contiguous CPU tensor of this dtype, which it
+        // keeps allocated until the call returns (so the
         // memory stays allocated), and no other reference to that memory is used meanwhile
         // (the documented rule for tensors in flight). `new` checked that the pointer is not
         // null, is aligned for the type, and that the length fits `isize`. Every bit pattern is
@@ -187,12 +203,13 @@ impl Region {
     }
 }
 
-/// A tensor's memory lent to the background engine while Python goes on: the tensor stays
-/// referenced (so allocated) until the op's result is dropped.
+/// A tensor's memory lent to the background engine while its owner goes on: a Python
+/// tensor stays referenced (so allocated) until the op's result is dropped; a compiled op's
+/// output (no `_owner`) stays allocated until the op's completion is called.
 pub struct Borrowed<T> {
     ptr: std::ptr::NonNull<T>,
     len: usize,
-    _owner: pyo3::Py<pyo3::PyAny>,
+    _owner: Option<pyo3::Py<pyo3::PyAny>>,
 }
 
 // SAFETY: the memory is a tensor's buffer, which belongs to no thread; while the engine holds
@@ -234,7 +251,25 @@ pub enum Lent {
 impl Region {
     /// Lends the region to the engine, keeping `owner` (the tensor) referenced meanwhile.
     pub fn lend(self, owner: pyo3::Py<pyo3::PyAny>) -> Lent {
-        fn make<T>(address: usize, len: usize, owner: pyo3::Py<pyo3::PyAny>) -> Borrowed<T> {
+        self.lend_to(Some(owner))
+    }
+
+    /// Lends the region to the engine with nothing keeping it allocated.
+    ///
+    /// # Safety
+    /// The memory is a live tensor of the region's dtype that stays allocated, and is used by
+    /// nothing else, until the op's result is dropped: a compiled op's output, which the op
+    /// completes only from the op's completion.
+    pub unsafe fn lend_foreign(self) -> Lent {
+        self.lend_to(None)
+    }
+
+    fn lend_to(self, owner: Option<pyo3::Py<pyo3::PyAny>>) -> Lent {
+        fn make<T>(
+            address: usize,
+            len: usize,
+            owner: Option<pyo3::Py<pyo3::PyAny>>,
+        ) -> Borrowed<T> {
             let ptr = if len == 0 {
                 std::ptr::NonNull::dangling()
             } else {

@@ -172,6 +172,38 @@ def check_custom_loops(r, n):
     close(weights(model), reference(init, x, y, sgd(), n * BATCH), "groups as lists")
 
 
+def check_local_vars(r, n):
+    """A variable registered with ``register_local_var`` steps by this rank's own gradient
+    (divided by the ranks unless ``scale_local_gradients=False``), eagerly and inside
+    ``tf.function``; the others by the average."""
+    x, y = union_data(n)
+    xr, yr = rows_of(x, r, n)[:BATCH], rows_of(y, r, n)[:BATCH]
+    for scale in (True, False):
+        for graph in (False, True):
+            model = make_model(0)
+            local = model.layers[1].bias
+            before = weights(model)
+            own = [np.array(g) for g in grads_at(model, xr, yr)]
+            every = [[np.array(g) for g in grads_at(model, rows_of(x, p, n)[:BATCH],
+                                                    rows_of(y, p, n)[:BATCH])]
+                     for p in range(n)]
+            opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                           scale_local_gradients=scale)
+            opt.register_local_var(local)
+
+            def step():
+                opt.apply_gradients(zip(grads_at(model, xr, yr), model.trainable_variables))
+
+            (tf.function(step) if graph else step)()
+            at = [i for i, v in enumerate(model.trainable_variables) if v is local][0]
+            for i, (w0, w1) in enumerate(zip(before, weights(model))):
+                if i == at:
+                    want = w0 - own[i] / (n if scale else 1)
+                else:
+                    want = w0 - np.mean([g[i] for g in every], 0)
+                close([w1], [want], f"local variables (scale {scale}, graph {graph}), #{i}")
+
+
 def check_fit_accumulating(r, n):
     """backward_passes_per_step inside model.fit's compiled step (a tf.cond)."""
     x, y = union_data(n, steps=2 * STEPS)
@@ -549,6 +581,7 @@ def main():
     check_refusals(r, n)
     check_fit(r, n)
     check_custom_loops(r, n)
+    check_local_vars(r, n)
     check_fit_accumulating(r, n)
     check_sparse(r, n)
     check_fp16(r, n)

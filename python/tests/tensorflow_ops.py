@@ -4,9 +4,14 @@ op, gradients, ``DistributedGradientTape``, the legacy ``DistributedOptimizer``,
 sets and the errors. Every rank builds every rank's input from (rank, case) alone, so each
 can compute the expected result itself.
 
+Inside ``tf.function`` allreduces are hvd's compiled op, or ``numpy_function`` nodes where
+it is turned off or cannot be built: ``HVD_TEST_GRAPH_OPS`` (``compiled``, the default, or
+``numpy``) says which this run expects, and every graph-mode check runs on that path.
+
 Prints ``tensorflow ok: rank R of N, C cases`` and exits 0, or raises.
 """
 
+import os
 import sys
 import warnings
 
@@ -15,7 +20,7 @@ import tensorflow as tf
 
 import hvd.tensorflow as hvd
 from hvd import elastic
-from hvd.tensorflow import buffers
+from hvd.tensorflow import buffers, graph_ops
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 # Every case traces functions of its own: TensorFlow's advice against retracing is moot.
@@ -319,6 +324,22 @@ def check_tape_and_optimizer(r, n):
     tape.register_local_source(b)
     gw, gb = tape.gradient(loss, [w, b])
     assert np.allclose(gw.numpy(), mean[0]) and np.allclose(gb.numpy(), per_rank[r][1] / n)
+    # Unscaled with scale_local_gradients=False; split by get_local_and_global_gradients;
+    # the same inside a tf.function.
+    for scale in (True, False):
+        def split():
+            with tf.GradientTape() as tape:
+                loss = model_loss(w, b, r)
+            tape = hvd.DistributedGradientTape(tape, scale_local_gradients=scale)
+            tape.register_local_source(b)
+            local, shared = tape.get_local_and_global_gradients(loss, [w, b])
+            assert [s is b for s, _ in local] == [True] and [s is w for s, _ in shared] == [True]
+            return local[0][1], shared[0][1]
+
+        for gb, gw in both(split):
+            want_b = per_rank[r][1] / n if scale else per_rank[r][1]
+            assert np.allclose(gb.numpy(), want_b), (scale, gb, want_b)
+            assert np.allclose(gw.numpy(), mean[0]), (scale, gw)
     # Sparse gradients (an embedding lookup): allgathered, or dense with sparse_as_dense.
     emb = tf.Variable(tf.ones([5, 2]))
     for sparse_as_dense in (False, True):
@@ -337,12 +358,25 @@ def check_tape_and_optimizer(r, n):
     opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5))
     opt.minimize(lambda: model_loss(w, b, r), var_list=[w, b])
     assert np.allclose(w.numpy(), w0 - 0.5 * mean[0]), (w.numpy(), w0 - 0.5 * mean[0])
+    # ... but a local variable by its own gradient (divided by the ranks unless told not to).
+    for scale in (True, False):
+        b.assign(tf.fill([2], 0.5))  # the same on every rank: a local step makes it differ
+        w0, b0 = w.numpy().copy(), b.numpy().copy()
+        now = [local_grads(w, b, p) for p in range(n)]
+        mean_w = np.mean([g[0].numpy() for g in now], 0)
+        own = now[r][1].numpy() * (1 / n if scale else 1)
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5),
+                                       scale_local_gradients=scale)
+        opt.register_local_var(b)
+        opt.minimize(lambda: model_loss(w, b, r), var_list=[w, b])
+        assert np.allclose(b.numpy(), b0 - 0.5 * own), (scale, b.numpy(), b0 - 0.5 * own)
+        assert np.allclose(w.numpy(), w0 - 0.5 * mean_w), (scale, w.numpy())
     expect_error(lambda: hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)), ValueError,
                  "hvd.tensorflow.keras.DistributedOptimizer")
     expect_error(lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum,
                                                       gradient_predivide_factor=2.0),
                  ValueError, "gradient_predivide_factor")
-    return len(options) + 4
+    return len(options) + 8
 
 
 def check_variables(r, n):
@@ -460,6 +494,34 @@ def check_errors(r, n):
     return len(bad) + 3
 
 
+def check_graph_nodes(r, n):
+    """The allreduces of a traced function are the nodes this run expects."""
+    expect = os.environ.get("HVD_TEST_GRAPH_OPS", "compiled")
+    f = tf.function(lambda a, b: [hvd.allreduce(a), hvd.grouped_allreduce([a, b])])
+    graph = f.get_concrete_function(tf.ones([2]), tf.ones([3], tf.float64)).graph
+    types = [op.type for op in graph.get_operations()]
+    compiled = types.count("HvdGroupedAllreduce")
+    numpy = types.count("PyFunc") + types.count("EagerPyFunc")
+    if expect == "compiled":
+        assert graph_ops.library() is not None, "the compiled op did not load"
+        assert compiled == 2 and numpy == 0, types
+    else:
+        assert graph_ops.library() is None, "the compiled op loaded where it should not"
+        assert compiled == 0 and numpy == 2, types
+    # A process set's allreduce stays a numpy_function node.
+    if n > 1:
+        ps = hvd.add_process_set(list(range(n)))
+        g = tf.function(lambda a: hvd.allreduce(a, process_set=ps))
+        types = [op.type for op in g.get_concrete_function(tf.ones([2])).graph.get_operations()]
+        assert "HvdGroupedAllreduce" not in types, types
+        assert g(tf.ones([2])).numpy().tolist() == [1.0, 1.0]
+        hvd.remove_process_set(ps)
+    outs = f(tf.fill([2], float(r)), tf.fill([3], 2.0 * r))
+    want = (n - 1) / 2
+    assert np.allclose(outs[0].numpy(), want) and np.allclose(outs[1][1].numpy(), 2 * want)
+    return 2
+
+
 def check_join_and_topology(r, n):
     # join: rank p runs p + 1 steps, then joins; a joined rank counts as zeros in the others'
     # allreduces, and every rank learns the rank that joined last.
@@ -483,7 +545,7 @@ def main():
     r, n = hvd.rank(), hvd.size()
     assert hvd.is_initialized() and 0 <= hvd.local_rank() < hvd.local_size() <= n
     cases = 0
-    for check in (check_allreduce, check_sparse_and_grouped, check_movers,
+    for check in (check_graph_nodes, check_allreduce, check_sparse_and_grouped, check_movers,
                   check_reducescatter, check_gradients, check_tape_and_optimizer,
                   check_variables, check_process_sets, check_errors,
                   check_join_and_topology):

@@ -90,6 +90,40 @@ def make_reducer(compression, sparse_as_dense, op, gradient_predivide_factor, gr
     return reduce
 
 
+def _ranks(process_set, dtype):
+    """The ranks of ``process_set`` as a ``dtype`` scalar: read when the graph runs in an
+    elastic job, whose world changes under a traced step, else known now (Horovod's
+    choice)."""
+    if os.environ.get("HOROVOD_ELASTIC") == "1" and not tf.executing_eagerly():
+        return tf.cast(_ops.size_op(process_set.process_set_id or 0), dtype)
+    return tf.cast(process_set.size(), dtype)
+
+
+def reduce_sharing(reduce, grads, variables, local, scale_local, process_set):
+    """``grads`` of ``variables`` reduced by ``reduce``, but those of the variables whose
+    ``id`` is in ``local`` (registered as this rank's own), which are kept, and divided by
+    the ranks when ``scale_local`` (as Horovod's ``scale_local_gradients``: a rank's own
+    gradient then weighs as it would in the average)."""
+    grads = list(grads)
+    if not local:
+        return list(reduce(grads, variables))
+    shared = [i for i, v in enumerate(variables) if id(v) not in local]
+    reduced = reduce([grads[i] for i in shared], [variables[i] for i in shared])
+    for i, g in zip(shared, reduced):
+        grads[i] = g
+    if scale_local:
+        for i, v in enumerate(variables):
+            g = grads[i]
+            if id(v) not in local or g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                n = _ranks(process_set, g.values.dtype)
+                grads[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+            else:
+                grads[i] = g / _ranks(process_set, g.dtype)
+    return grads
+
+
 class _DistributedGradientTape(tf.GradientTape):
     """The methods a ``DistributedGradientTape`` adds to the tape it wraps."""
 
@@ -111,18 +145,8 @@ class _DistributedGradientTape(tf.GradientTape):
         ranks (all but the local sources')."""
         flat = tf.nest.flatten(sources)
         grads = super().gradient(target, flat, output_gradients, **kwargs)
-        shared = [i for i, s in enumerate(flat) if id(s) not in self._local_sources]
-        reduced = self._allreduce_grads([grads[i] for i in shared], [flat[i] for i in shared])
-        grads = list(grads)
-        for i, g in zip(shared, reduced):
-            grads[i] = g
-        if self.scale_local_gradients and self._local_sources:
-            n = float(self.process_set.size())
-            for i, s in enumerate(flat):
-                g = grads[i]
-                if id(s) in self._local_sources and g is not None:
-                    grads[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                                if isinstance(g, tf.IndexedSlices) else g / n)
+        grads = reduce_sharing(self._allreduce_grads, grads, flat, self._local_sources,
+                               self.scale_local_gradients, self.process_set)
         return tf.nest.pack_sequence_as(sources, grads)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None,
@@ -132,7 +156,7 @@ class _DistributedGradientTape(tf.GradientTape):
         grads = self.gradient(target, sources, output_gradients)
         local, shared = [], []
         for s, g in zip(sources, grads):
-            (local if s.ref() in self._local_sources else shared).append((s, g))
+            (local if id(s) in self._local_sources else shared).append((s, g))
         return local, shared
 
 
@@ -144,8 +168,10 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
     (of ``process_set``; default: averaged), each group of them as one fused op (all of
     them together without ``groups``, where Horovod's engine would fuse them anyway).
     ``sparse_as_dense`` densifies ``tf.IndexedSlices``, which are otherwise allgathered.
-    ``gradient_predivide_factor`` splits the average before and after the sum.
-    ``device_*`` are accepted for Horovod's signature."""
+    ``gradient_predivide_factor`` splits the average before and after the sum. Sources
+    registered with ``register_local_source`` keep their own gradients (divided by the
+    ranks with ``scale_local_gradients``). ``device_*`` are accepted for Horovod's
+    signature."""
     groups = check_grouping(op, gradient_predivide_factor, num_groups, groups)
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__), {})
     tape = cls.__new__(cls)

@@ -21,6 +21,7 @@ from hvd.common.basics import *  # noqa: F401,F403
 from hvd.common.basics import _op_of, _where
 from hvd.common.handles import _name, _unnamed
 from hvd.tensorflow import buffers as _buf
+from hvd.tensorflow import graph_ops as _graph_ops
 from hvd.tensorflow.compression import Compression, NoneCompressor
 
 try:
@@ -81,6 +82,14 @@ def _reduced(array, op, prescale, postscale, process_set):
     return out
 
 
+def _compiled(process_set):
+    """hvd's compiled op module where a graph being built can use it: whole-job allreduces
+    (a process set's run as ``numpy_function`` nodes)."""
+    if tf.executing_eagerly() or _sid(process_set) is not None:
+        return None
+    return _graph_ops.library()
+
+
 def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
                ignore_name_scope=False, process_set=global_process_set):
     """Horovod's raw allreduce op (default: the sum) on a dense tensor, differentiable."""
@@ -100,6 +109,11 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
     node = _node_name("Allreduce", name, x)
 
     def forward(x):
+        lib = _compiled(process_set)
+        if lib is not None:
+            return lib.hvd_grouped_allreduce([x], reduce_op=op.name,
+                                             prescale_factor=prescale_factor,
+                                             postscale_factor=postscale_factor, name=node)
         return _buf.run(kernel, [x], [x.dtype], [x.shape], node, aligned=True)
 
     def grad(ys, dy):
@@ -203,6 +217,11 @@ def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0,
     kernel = _grouped_kernel(op, prescale_factor, postscale_factor, process_set, name)
 
     def forward(*xs):
+        lib = _compiled(process_set)
+        if lib is not None:
+            return lib.hvd_grouped_allreduce(list(xs), reduce_op=op.name,
+                                             prescale_factor=prescale_factor,
+                                             postscale_factor=postscale_factor, name=node)
         return _buf.run(kernel, xs, [x.dtype for x in xs], [x.shape for x in xs], node,
                         aligned=True)
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from hvd.common.basics import Adasum, Average, global_process_set
 from hvd.tensorflow.compression import Compression
-from hvd.tensorflow.gradient_tape import check_grouping, make_reducer
+from hvd.tensorflow.gradient_tape import check_grouping, make_reducer, reduce_sharing
 
 _Legacy = tf.compat.v1.train.Optimizer
 
@@ -16,27 +16,31 @@ class _DistributedOptimizer(_Legacy):
     """A legacy optimizer that reduces its gradients across the ranks before applying
     them; everything else is the wrapped optimizer's."""
 
-    def __init__(self, optimizer, name, use_locking, reduce):
+    def __init__(self, optimizer, name, use_locking, reduce, process_set,
+                 scale_local_gradients):
         super().__init__(name=name, use_locking=use_locking)
         self._optimizer = optimizer
         self._allreduce_grads = reduce
-        self._local_vars = set()
+        self._process_set = process_set
+        self._scale_local = scale_local_gradients
+        # By identity; the values keep the variables alive.
+        self._local_vars = {}
 
     def register_local_var(self, var):
-        """Marks ``var`` as this rank's own: its gradient is not reduced."""
-        self._local_vars.add(var.ref())
+        """Marks ``var`` as this rank's own: its gradient is not reduced (only divided by
+        the ranks with ``scale_local_gradients``)."""
+        self._local_vars[id(var)] = var
 
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's gradients, reduced across the ranks (but the local
         variables')."""
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
-        shared = [i for i, (_, v) in enumerate(pairs) if v.ref() not in self._local_vars]
-        reduced = self._allreduce_grads([pairs[i][0] for i in shared],
-                                        [pairs[i][1] for i in shared])
-        pairs = list(pairs)
-        for i, g in zip(shared, reduced):
-            pairs[i] = (g, pairs[i][1])
-        return pairs
+        if not pairs:
+            return pairs
+        grads, variables = zip(*pairs)
+        grads = reduce_sharing(self._allreduce_grads, grads, list(variables),
+                               self._local_vars, self._scale_local, self._process_set)
+        return list(zip(grads, variables))
 
     def apply_gradients(self, *args, **kwargs):
         """The wrapped optimizer's ``apply_gradients``."""
@@ -83,4 +87,4 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     reduce = make_reducer(compression, sparse_as_dense, op, gradient_predivide_factor, groups,
                           process_set)
     return _DistributedOptimizer(optimizer, name or f"Distributed{type(optimizer).__name__}",
-                                 use_locking, reduce)
+                                 use_locking, reduce, process_set, scale_local_gradients)

@@ -21,7 +21,8 @@ import functools
 import tensorflow as tf
 
 import hvd.tensorflow as _hvd_tf
-from hvd.tensorflow.gradient_tape import check_grouping, communicates, make_reducer
+from hvd.tensorflow.gradient_tape import (check_grouping, communicates, make_reducer,
+                                          reduce_sharing)
 
 try:
     from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla
@@ -37,7 +38,7 @@ class _Settings:
 
     def __init__(self, compression, sparse_as_dense, gradient_predivide_factor, op,
                  backward_passes_per_step, average_aggregated_gradients, num_groups, groups,
-                 process_set):
+                 process_set, scale_local_gradients=True):
         if op not in (_hvd_tf.Average, _hvd_tf.Sum, _hvd_tf.Adasum):
             raise ValueError(f"DistributedOptimizer reduces gradients with hvd.Average, "
                              f"hvd.Sum or hvd.Adasum, not {op!r}")
@@ -49,6 +50,7 @@ class _Settings:
         self.passes = backward_passes_per_step
         self.average_aggregated = average_aggregated_gradients
         self.process_set = process_set
+        self.scale_local = scale_local_gradients
         self.reduce = make_reducer(compression, sparse_as_dense, op, gradient_predivide_factor,
                                    groups, process_set)
 
@@ -62,6 +64,8 @@ class _Accumulated:
     def __init__(self):
         self.count = None
         self.sums = {}
+        # The variables registered as this rank's own, by identity.
+        self.local = {}
 
 
 class _Distributed:
@@ -77,6 +81,11 @@ class _Distributed:
         super().__init__(*args, **kwargs)
         self._hvd_acc = _Accumulated()
 
+    def register_local_var(self, var):
+        """Marks ``var`` as this rank's own: its gradient is not reduced across the ranks
+        (only divided by them with ``scale_local_gradients``), as in Horovod."""
+        self._hvd_acc.local[id(var)] = var
+
     def _hvd_update(self, grads, variables, apply):
         """Reduces ``grads`` across the ranks (every ``backward_passes_per_step``-th call;
         summed locally between), then updates ``variables`` with ``apply``."""
@@ -91,7 +100,10 @@ class _Distributed:
             return apply(grads, variables)
         if self._hvd_settings.op is _hvd_tf.Adasum:
             return self._hvd_adasum_step(grads, variables, apply)
-        reduced = _reduce(self._hvd_settings, grads, variables)
+        settings = self._hvd_settings
+        reduced = reduce_sharing(lambda g, v: _reduce(settings, g, v), grads, variables,
+                                 self._hvd_acc.local, settings.scale_local,
+                                 settings.process_set)
         return apply(reduced, variables)
 
     def _hvd_adasum_step(self, grads, variables, apply):
@@ -103,7 +115,10 @@ class _Distributed:
         with tf.control_dependencies(starts):
             apply(grads, variables)
         deltas = [_value(v) - s for v, s in zip(stepped, starts)]
-        combined = _reduce(self._hvd_settings, deltas, stepped)
+        settings = self._hvd_settings
+        # A local variable keeps its own step.
+        combined = reduce_sharing(lambda g, v: _reduce(settings, g, v), deltas, stepped,
+                                  self._hvd_acc.local, False, settings.process_set)
         for v, s, d in zip(stepped, starts, combined):
             v.assign(s + tf.cast(d, s.dtype))
 
@@ -255,13 +270,14 @@ def distributed_optimizer(flavour):
                              gradient_predivide_factor=1.0, op=_hvd_tf.Average,
                              backward_passes_per_step=1, average_aggregated_gradients=False,
                              num_groups=0, groups=None,
-                             process_set=_hvd_tf.global_process_set):
+                             process_set=_hvd_tf.global_process_set,
+                             scale_local_gradients=True):
         flavour.require_optimizer(optimizer, f"{flavour.module}.DistributedOptimizer")
         if isinstance(optimizer, _Distributed):
             raise ValueError("the optimizer is a DistributedOptimizer already")
         settings = _Settings(compression, sparse_as_dense, gradient_predivide_factor, op,
                              backward_passes_per_step, average_aggregated_gradients,
-                             num_groups, groups, process_set)
+                             num_groups, groups, process_set, scale_local_gradients)
         cls = distributed_class(type(optimizer), settings, flavour)
         return cls.from_config(optimizer.get_config())
 
@@ -272,7 +288,9 @@ def distributed_optimizer(flavour):
     ``backward_passes_per_step=k`` sums k calls' gradients locally and reduces and applies
     every k-th (the sum divided by k with ``average_aggregated_gradients``).
     ``op=hvd.Adasum`` is Horovod's delta form: every rank steps on its own gradients and the
-    variables' changes are combined by Adasum.
+    variables' changes are combined by Adasum. Variables registered with
+    ``register_local_var`` keep this rank's gradients (divided by the ranks with
+    ``scale_local_gradients``, Horovod's default).
 
     Returns an instance of a subclass of ``optimizer``'s class, built from its config (its
     state starts empty, as in Horovod; ``load_model`` keeps a saved optimizer's state).
