@@ -4,7 +4,8 @@ A collective is written once as a *kernel*: a function from numpy arrays to nump
 over ``hvd.common.arrays`` and the native module. ``run`` calls it on an eager tensor's own
 memory, or, inside ``tf.function``, as a stateful ``tf.numpy_function`` node (TensorFlow
 orders stateful nodes as the program wrote them, so every rank calls its collectives in
-the same order).
+the same order). Whole-job allreduces inside ``tf.function`` are hvd's compiled op instead
+where it can be built (``hvd.tensorflow.graph_ops``).
 
 Copies, measured on TensorFlow 2.21 (CPU):
 

@@ -176,9 +176,11 @@ def _sparse_allreduce(slices, op, prescale_factor, postscale_factor, process_set
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
-def _grouped_kernel(op, prescale, postscale, process_set, name):
+def _grouped_kernel(op, prescale, postscale, process_set, name, node=()):
     """Reduces a list of arrays as one fused op of the background engine (every op in
-    flight before any is waited for); on a process set, one after another."""
+    flight before any is waited for); on a process set, one after another. Inside a graph
+    ``node`` holds the node's name, which names the engine's ops as the compiled op names
+    them, so ranks on either path agree."""
 
     def kernel(*arrays):
         copies = [_buf.aligned_copy(a) for a in arrays]
@@ -186,7 +188,7 @@ def _grouped_kernel(op, prescale, postscale, process_set, name):
         for o in outs:
             _scale(o, prescale)
         if _sid(process_set) is None:
-            base = _name("grouped_allreduce", name)
+            base = node[0] if node else _name("grouped_allreduce", name)
             pending = [_hvd.allreduce_async_(at, o.size, _buf.name_of(o), op.name,
                                              f"{base}.{i}", o)
                        for i, (o, at) in enumerate(copies)]
@@ -214,16 +216,20 @@ def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0,
     if not tf.executing_eagerly():
         _where(process_set)
     node = _node_name("GroupedAllreduce", name, xs[0])
-    kernel = _grouped_kernel(op, prescale_factor, postscale_factor, process_set, name)
-
     def forward(*xs):
         lib = _compiled(process_set)
         if lib is not None:
             return lib.hvd_grouped_allreduce(list(xs), reduce_op=op.name,
                                              prescale_factor=prescale_factor,
                                              postscale_factor=postscale_factor, name=node)
-        return _buf.run(kernel, xs, [x.dtype for x in xs], [x.shape for x in xs], node,
+        made = []
+        kernel = _grouped_kernel(op, prescale_factor, postscale_factor, process_set, name,
+                                 made)
+        outs = _buf.run(kernel, xs, [x.dtype for x in xs], [x.shape for x in xs], node,
                         aligned=True)
+        if not tf.executing_eagerly():
+            made.append(outs[0].op.name)
+        return outs
 
     def grad(ys, *dys):
         return _grouped_allreduce(list(dys), op=op, prescale_factor=prescale_factor,

@@ -7,9 +7,9 @@ variables)`` in Keras 3 (``model.fit``'s train step and ``apply_gradients`` both
 it). The wrapper overrides that method (``flavour.apply_method`` names it) and nothing else:
 the gradients go to the engine as one fused grouped allreduce (one per group with
 ``groups``), then the wrapped class updates the variables with the result. Inside
-``tf.function`` the reduction is a graph node (``hvd.tensorflow``'s collectives run as
-stateful ``numpy_function`` nodes), so ``model.fit`` works unchanged; XLA cannot compile such
-a node, so a Keras 3 model must be compiled with ``jit_compile=False``.
+``tf.function`` the reduction is a graph node (hvd's compiled op, see
+``hvd.tensorflow.graph_ops``), so ``model.fit`` works unchanged; XLA cannot compile such a
+node, so a Keras 3 model must be compiled with ``jit_compile=False``.
 
 The wrapped optimizer is an instance of a subclass of the optimizer's class, named and
 placed as it is, built from its config (its state starts empty, as in Horovod): ``isinstance``
