@@ -10,7 +10,10 @@
 // from the engine's thread, and then `Finish` hands the op's end to TensorFlow's own threads,
 // so that the engine's thread never runs the graph's next nodes.
 
+#include <sys/mman.h>
+
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -38,6 +41,17 @@ typedef void (*EntryFn)(size_t n, void* const* data, const size_t* counts, const
                         const char* name, size_t name_len, DoneFn done, void* ctx);
 
 std::atomic<EntryFn> entry{nullptr};
+
+// Asks the kernel for huge pages under a large output before it is first written, as numpy
+// does for its large arrays: TensorFlow's allocator hands out fresh 4 KiB pages, and faulting
+// in a ResNet-50's 100 MB of gradients page by page costs tens of milliseconds a step.
+void PreferHugePages(void* data, size_t bytes) {
+  const uintptr_t huge = uintptr_t{2} << 20;
+  const uintptr_t at = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t start = (at + huge - 1) & ~(huge - 1);
+  const uintptr_t end = (at + bytes) & ~(huge - 1);
+  if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
+}
 
 // One op's run, kept until the engine ends it.
 struct Run {
@@ -96,6 +110,7 @@ class HvdGroupedAllreduceOp : public AsyncOpKernel {
       Tensor* y = nullptr;
       OP_REQUIRES_OK_ASYNC(c, c->forward_input_or_allocate_output({i}, i, x.shape(), &y), done);
       if (y->data() != x.data() && x.TotalBytes() > 0) {
+        PreferHugePages(y->data(), x.TotalBytes());
         std::memcpy(y->data(), x.data(), x.TotalBytes());
       }
       data[i] = y->data();
