@@ -217,10 +217,10 @@ impl Job {
                 let Some((_, json)) = l.split_once("<stdout>:") else {
                     continue;
                 };
-                if let Ok(v) = serde_json::from_str(json) {
-                    if tx.send(Line { at, v }).is_err() {
-                        break;
-                    }
+                if let Ok(v) = serde_json::from_str(json)
+                    && tx.send(Line { at, v }).is_err()
+                {
+                    break;
                 }
             }
         });

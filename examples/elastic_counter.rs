@@ -132,12 +132,14 @@ fn main() -> anyhow::Result<()> {
             if args.step_ms > 0 {
                 std::thread::sleep(Duration::from_millis(args.step_ms));
             }
-            if let (Some(at), Some(ms)) = (args.busy_at_step, args.busy_ms) {
-                if step == at && !busy_done && args.busy_rank.is_none_or(|r| r == rank) {
-                    busy_done = true;
-                    emit(&json!({"event": "busy", "step": step, "rank": rank, "ms": ms}));
-                    std::thread::sleep(Duration::from_millis(ms));
-                }
+            if let (Some(at), Some(ms)) = (args.busy_at_step, args.busy_ms)
+                && step == at
+                && !busy_done
+                && args.busy_rank.is_none_or(|r| r == rank)
+            {
+                busy_done = true;
+                emit(&json!({"event": "busy", "step": step, "rank": rank, "ms": ms}));
+                std::thread::sleep(Duration::from_millis(ms));
             }
         }
         Ok((rank, size))

@@ -57,11 +57,11 @@ fn malloc_huge_kb() -> Option<u64> {
     let mut inside = false;
     for line in smaps.lines() {
         let range = line.split_whitespace().next().unwrap_or("");
-        if let Some((lo, hi)) = range.split_once('-') {
-            if let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) {
-                inside = (lo..hi).contains(&addr);
-                continue;
-            }
+        if let Some((lo, hi)) = range.split_once('-')
+            && let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16))
+        {
+            inside = (lo..hi).contains(&addr);
+            continue;
         }
         if let Some(kb) = line.strip_prefix("AnonHugePages:").filter(|_| inside) {
             return kb.trim().trim_end_matches("kB").trim().parse().ok();
@@ -171,10 +171,10 @@ fn main() -> anyhow::Result<()> {
             std::thread::sleep(Duration::from_secs(3600));
         }
     }
-    if let Some(code) = args.exit_code {
-        if me(args.on_rank) {
-            std::process::exit(code);
-        }
+    if let Some(code) = args.exit_code
+        && me(args.on_rank)
+    {
+        std::process::exit(code);
     }
     hvd::shutdown()?;
     Ok(())

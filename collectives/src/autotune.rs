@@ -785,11 +785,11 @@ impl Tuner {
     }
 
     fn write(&mut self, row: &str) {
-        if let Some(f) = self.log.as_mut() {
-            if let Err(e) = writeln!(f, "{row}") {
-                tracing::warn!(error = %e, "cannot write the autotune log; stopping it");
-                self.log = None;
-            }
+        if let Some(f) = self.log.as_mut()
+            && let Err(e) = writeln!(f, "{row}")
+        {
+            tracing::warn!(error = %e, "cannot write the autotune log; stopping it");
+            self.log = None;
         }
     }
 }

@@ -607,14 +607,14 @@ impl Communicator {
     pub(crate) fn set_phase(&mut self, phase: Phase) -> std::result::Result<(), LinkFailure> {
         let t = Some(self.timeout_for(phase));
         for (j, r) in self.readers.iter().enumerate() {
-            if let Some(s) = r {
-                if self.read_timeouts[j] != t {
-                    s.set_read_timeout(t)
-                        .map_err(|e| LinkFailure::new(&self.shared, j, e))?;
-                    s.set_write_timeout(Some(self.cfg.progress_timeout))
-                        .map_err(|e| LinkFailure::new(&self.shared, j, e))?;
-                    self.read_timeouts[j] = t;
-                }
+            if let Some(s) = r
+                && self.read_timeouts[j] != t
+            {
+                s.set_read_timeout(t)
+                    .map_err(|e| LinkFailure::new(&self.shared, j, e))?;
+                s.set_write_timeout(Some(self.cfg.progress_timeout))
+                    .map_err(|e| LinkFailure::new(&self.shared, j, e))?;
+                self.read_timeouts[j] = t;
             }
         }
         Ok(())
@@ -758,11 +758,11 @@ impl Communicator {
                     Ok(d) => d,
                     Err(detail) => return Err(self.fail(CommError::Protocol { rank: p, detail })),
                 };
-                if d.payload_len > 0 {
-                    if let Err(e) = sink(p, &d, reader) {
-                        let f = LinkFailure::new(&self.shared, p, e);
-                        return Err(self.link_error(f, op, Phase::Arrival));
-                    }
+                if d.payload_len > 0
+                    && let Err(e) = sink(p, &d, reader)
+                {
+                    let f = LinkFailure::new(&self.shared, p, e);
+                    return Err(self.link_error(f, op, Phase::Arrival));
                 }
                 descs[p] = d;
             }
@@ -895,7 +895,7 @@ impl Communicator {
             // quarter millisecond of waiting: a sleeping round may take a millisecond or more
             // on a loaded host, so counting rounds alone would notice a death tens of
             // milliseconds late.
-            if rounds % 64 == 0 || checked.elapsed() >= Duration::from_micros(250) {
+            if rounds.is_multiple_of(64) || checked.elapsed() >= Duration::from_micros(250) {
                 checked = std::time::Instant::now();
                 let waited = started.elapsed();
                 let gone = if self.shared.abort_reason().is_some() {
@@ -1128,11 +1128,11 @@ impl Communicator {
             let mut received = Ok(());
             for k in 1..n {
                 let p = (r + n - k) % n;
-                if let (Some(buf), Some(rd)) = (recvs[p].as_deref_mut(), readers[p].as_mut()) {
-                    if let Err(e) = read_full(rd, buf) {
-                        received = Err(LinkFailure::new(shared, p, e));
-                        break;
-                    }
+                if let (Some(buf), Some(rd)) = (recvs[p].as_deref_mut(), readers[p].as_mut())
+                    && let Err(e) = read_full(rd, buf)
+                {
+                    received = Err(LinkFailure::new(shared, p, e));
+                    break;
                 }
             }
             let sent = sender.join().unwrap_or_else(|_| {

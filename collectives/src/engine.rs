@@ -1229,15 +1229,14 @@ impl Worker {
             let time = end.saturating_duration_since(first.max(self.last_step));
             self.last_step = end;
             // A cycle that switched settings waited out its cycle under the old one: not scored.
-            if switch.is_none() {
-                if let Some(next) = self
+            if switch.is_none()
+                && let Some(next) = self
                     .tuner
                     .as_mut()
                     .and_then(|t| t.step(&ready, bytes, time))
-                {
-                    let tuning = self.tuner.as_ref().is_some_and(|t| !t.is_done());
-                    self.proposed = Some((next, tuning));
-                }
+            {
+                let tuning = self.tuner.as_ref().is_some_and(|t| !t.is_done());
+                self.proposed = Some((next, tuning));
             }
         }
         if all_joined {

@@ -715,7 +715,7 @@ impl Communicator {
         let (n, r) = (self.size(), self.rank());
         let local = if row_len == 0 && !input.is_empty() {
             Err("row_len is 0 for a non-empty input".to_string())
-        } else if row_len != 0 && input.len() % row_len != 0 {
+        } else if row_len != 0 && !input.len().is_multiple_of(row_len) {
             Err(format!(
                 "{} elements are not whole rows of {row_len}",
                 input.len()
@@ -1057,7 +1057,7 @@ fn resolve_splits(
 ) -> (Vec<usize>, std::result::Result<(), String>) {
     let bad = |msg: String| (vec![0; n], Err(msg));
     if splits.is_empty() {
-        if len % n != 0 {
+        if !len.is_multiple_of(n) {
             return bad(format!(
                 "{len} elements do not split evenly over {n} ranks; pass splits"
             ));

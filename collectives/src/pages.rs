@@ -51,17 +51,13 @@ pub(crate) fn mapping_field<'a>(smaps: &'a str, addr: usize, field: &str) -> Opt
             .split_whitespace()
             .next()
             .and_then(|r| r.split_once('-'))
+            && let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
         {
-            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
-            {
-                inside = (lo..hi).contains(&addr);
-                continue;
-            }
+            inside = (lo..hi).contains(&addr);
+            continue;
         }
-        if inside {
-            if let Some(v) = line.strip_prefix(field).and_then(|v| v.strip_prefix(':')) {
-                return Some(v.trim());
-            }
+        if inside && let Some(v) = line.strip_prefix(field).and_then(|v| v.strip_prefix(':')) {
+            return Some(v.trim());
         }
     }
     None

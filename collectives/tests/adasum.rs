@@ -42,7 +42,7 @@ fn tree(vs: &[Vec<f64>]) -> Vec<f64> {
 /// coefficients are far from both 1 and ½.
 fn value(rank: usize, t: usize, i: usize) -> f64 {
     let h = (rank * 131 + t * 31 + i * 17) % 23;
-    (h as f64 - 9.0) / 8.0 + if i % (rank + 2) == 0 { 0.5 } else { 0.0 }
+    (h as f64 - 9.0) / 8.0 + if i.is_multiple_of(rank + 2) { 0.5 } else { 0.0 }
 }
 
 const LENS: [usize; 4] = [7, 0, 20_000, 300];

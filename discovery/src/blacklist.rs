@@ -211,15 +211,15 @@ impl Blacklist {
     pub fn expire(&mut self, now: Duration) -> Vec<Released> {
         let mut out = Vec::new();
         for (host, entry) in &mut self.hosts {
-            if let State::Until(at) = entry.state {
-                if at <= now {
-                    entry.state = State::Free;
-                    out.push(Released {
-                        host: host.clone(),
-                        failures: entry.failures,
-                        at,
-                    });
-                }
+            if let State::Until(at) = entry.state
+                && at <= now
+            {
+                entry.state = State::Free;
+                out.push(Released {
+                    host: host.clone(),
+                    failures: entry.failures,
+                    at,
+                });
             }
         }
         out.sort_by_key(|r| r.at);

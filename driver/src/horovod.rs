@@ -213,18 +213,18 @@ fn apply_config(args: &mut Args, path: &Path, text: &str) -> anyhow::Result<()> 
         fill(&mut args.gloo_timeout_seconds, l.gloo_timeout_seconds);
     }
     if let Some(l) = cfg.logging {
-        if args.log_level.is_none() {
-            if let Some(level) = l.level {
-                args.log_level = Some(
-                    <LogLevel as clap::ValueEnum>::from_str(level.trim(), true).map_err(|_| {
-                        anyhow::anyhow!(
-                            "--config-file {}: logging: level: {level}: not one of TRACE, \
+        if args.log_level.is_none()
+            && let Some(level) = l.level
+        {
+            args.log_level = Some(
+                <LogLevel as clap::ValueEnum>::from_str(level.trim(), true).map_err(|_| {
+                    anyhow::anyhow!(
+                        "--config-file {}: logging: level: {level}: not one of TRACE, \
                              DEBUG, INFO, WARNING, ERROR, FATAL",
-                            path.display()
-                        )
-                    })?,
-                );
-            }
+                        path.display()
+                    )
+                })?,
+            );
         }
         let with = l.with_timestamp.or(l.hide_timestamp.map(|h| !h));
         fill_switch(

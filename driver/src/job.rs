@@ -262,11 +262,11 @@ async fn relay(
         if !whole {
             buf.push(b'\n');
         }
-        if let Some(f) = file.as_mut() {
-            if let Err(e) = f.write_all(&buf).await {
-                tracing::error!(worker = %label, error = %e, "writing the rank's log file failed; console only");
-                file = None;
-            }
+        if let Some(f) = file.as_mut()
+            && let Err(e) = f.write_all(&buf).await
+        {
+            tracing::error!(worker = %label, error = %e, "writing the rank's log file failed; console only");
+            file = None;
         }
         let mut line = Vec::with_capacity(prefix.len() + buf.len() + 24);
         if TIMESTAMPED.load(std::sync::atomic::Ordering::Relaxed) {
@@ -399,10 +399,10 @@ pub fn relay_remote(
     log_dir: Option<PathBuf>,
     append: bool,
 ) -> Vec<tokio::task::JoinHandle<()>> {
-    if let Some(d) = &log_dir {
-        if let Err(e) = std::fs::create_dir_all(d) {
-            tracing::error!(dir = %d.display(), error = %e, "cannot create the rank's log directory");
-        }
+    if let Some(d) = &log_dir
+        && let Err(e) = std::fs::create_dir_all(d)
+    {
+        tracing::error!(dir = %d.display(), error = %e, "cannot create the rank's log directory");
     }
     let file = |name: &str| log_dir.as_ref().map(|d| d.join(name));
     vec![

@@ -607,10 +607,10 @@ fn plan(args: &cli::Args) -> anyhow::Result<JobSpec> {
         30.0,
     )?
     .as_secs_f64();
-    if let Some(i) = &args.ssh_identity_file {
-        if !i.is_file() {
-            bail!("--ssh-identity-file {}: no such file", i.display());
-        }
+    if let Some(i) = &args.ssh_identity_file
+        && !i.is_file()
+    {
+        bail!("--ssh-identity-file {}: no such file", i.display());
     }
     let all_local = local.iter().all(|&l| l);
     let (rendezvous_bind, rendezvous_host) = if all_local {

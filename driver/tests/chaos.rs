@@ -387,10 +387,10 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
             break;
         }
         let size = latest.map_or(0, |l| l.v["size"].as_u64().unwrap_or(0));
-        if let Some(f) = fleet.as_mut() {
-            if f.restart(false) {
-                job.parents.extend(f.pids());
-            }
+        if let Some(f) = fleet.as_mut()
+            && f.restart(false)
+        {
+            job.parents.extend(f.pids());
         }
         let workers = job.workers();
         pids_seen.extend(workers.iter().map(|w| w.0));

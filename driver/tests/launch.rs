@@ -107,12 +107,11 @@ impl Running {
             if pids.len() >= n {
                 let mut by_rank = vec![0; n];
                 for l in &self.seen {
-                    if let Some((_, j)) = l.split_once(":{") {
-                        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&format!("{{{j}"))
-                        {
-                            by_rank[v["rank"].as_u64().expect("rank") as usize] =
-                                v["pid"].as_i64().expect("pid") as i32;
-                        }
+                    if let Some((_, j)) = l.split_once(":{")
+                        && let Ok(v) = serde_json::from_str::<serde_json::Value>(&format!("{{{j}"))
+                    {
+                        by_rank[v["rank"].as_u64().expect("rank") as usize] =
+                            v["pid"].as_i64().expect("pid") as i32;
                     }
                 }
                 return by_rank;

@@ -245,10 +245,10 @@ impl Control {
             (Some(bytes), false) => store.save(&leadership, bytes).await,
             _ => Ok(()),
         };
-        if let Ok(l) = Arc::try_unwrap(leadership) {
-            if let Err(e) = store.resign(l).await {
-                tracing::warn!(error = %e, "could not give the leadership up; it lapses with its lease");
-            }
+        if let Ok(l) = Arc::try_unwrap(leadership)
+            && let Err(e) = store.resign(l).await
+        {
+            tracing::warn!(error = %e, "could not give the leadership up; it lapses with its lease");
         }
         saved.context("writing the job's record before handing it over")
     }

@@ -469,12 +469,12 @@ impl Core {
                 }
             }
             Input::Registered(id) => {
-                if let Some(w) = self.workers.get_mut(&id) {
-                    if w.phase == Phase::Starting {
-                        w.phase = Phase::Ready;
-                        w.due = None;
-                        tracing::debug!(worker = id, host = %w.host, "worker registered");
-                    }
+                if let Some(w) = self.workers.get_mut(&id)
+                    && w.phase == Phase::Starting
+                {
+                    w.phase = Phase::Ready;
+                    w.due = None;
+                    tracing::debug!(worker = id, host = %w.host, "worker registered");
                 }
             }
             Input::Joined { worker, reason } => self.joined(now, worker, &reason, &mut out),
@@ -631,15 +631,16 @@ impl Core {
         if generation != self.generation || !self.current.contains(&id) {
             return;
         }
-        if let Some(w) = self.workers.get_mut(&id) {
-            if w.phase == Phase::Running && w.due.is_some() {
-                tracing::info!(
-                    worker = id,
-                    host = %w.host,
-                    "worker answered the abort: alive, it joins at its next collective"
-                );
-                w.due = Some(now + self.cfg.elastic_timeout);
-            }
+        if let Some(w) = self.workers.get_mut(&id)
+            && w.phase == Phase::Running
+            && w.due.is_some()
+        {
+            tracing::info!(
+                worker = id,
+                host = %w.host,
+                "worker answered the abort: alive, it joins at its next collective"
+            );
+            w.due = Some(now + self.cfg.elastic_timeout);
         }
     }
 
@@ -846,10 +847,11 @@ impl Core {
     fn expect_joins(&mut self, now: Duration) {
         let due = now + self.cfg.round_timeout;
         for m in &self.current {
-            if let Some(w) = self.workers.get_mut(m) {
-                if w.phase == Phase::Running && w.due.is_none() {
-                    w.due = Some(due);
-                }
+            if let Some(w) = self.workers.get_mut(m)
+                && w.phase == Phase::Running
+                && w.due.is_none()
+            {
+                w.due = Some(due);
             }
         }
     }
