@@ -3,9 +3,10 @@
 //!
 //! Inside `tf.function` a collective is a graph node. As a compiled asynchronous op it costs
 //! what any TensorFlow op does; as a `tf.numpy_function` it would cost a Python call and the
-//! GIL per node. The op allocates its outputs, copies its inputs into them, and calls
-//! [`grouped_allreduce`] with their addresses: every tensor is submitted to the engine at
-//! once (so they are fused), and the op's completion is called once every one is reduced, or
+//! GIL per node. The op allocates its outputs, copies its inputs into them (or takes inputs'
+//! buffers over), and calls [`grouped_allreduce`] with their addresses. One tensor is reduced
+//! there and then, as a synchronous collective; several are submitted to the engine at once
+//! (so they are fused), and the op's completion is called once every one is reduced, or
 //! failed. Python hands the op library this function's address (`grouped_allreduce_entry`).
 //!
 //! Element types are TensorFlow's own `DataType` numbers (`tensorflow/core/framework/
@@ -20,33 +21,19 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use hvd::{Error, ReduceOp, bf16, f16};
 
+use crate::Raised;
 use crate::memory::{DType, Lent, Region, Slice};
 
-/// The op's completion: `code` 0 for success, else [`Failure::code`] with a message of
+/// The op's completion: `code` 0 for success, else a [`Raised`] discriminant with a message of
 /// `len` bytes (UTF-8, then a NUL) at `msg`, valid during the call.
 pub type Done = unsafe extern "C" fn(ctx: *mut c_void, code: c_int, msg: *const c_char, len: usize);
 
 /// How a group failed, as the op reports it to TensorFlow (and `hvd.tensorflow` gives it back
-/// to Python as the matching exception).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Failure {
-    /// `HorovodInternalError`: a peer failed, hung or left; an elastic job recovers.
-    Internal = 1,
-    /// `HostsUpdatedInterrupt`: the driver announced a host change.
-    HostsUpdated = 2,
-    /// Bad input or another error that no recovery mends.
-    Other = 3,
-}
+/// to Python as the matching exception), with the message.
+type Failure = (Raised, String);
 
-impl Failure {
-    fn of(e: &Error) -> (Self, String) {
-        let kind = match e {
-            Error::HostsUpdated { .. } => Self::HostsUpdated,
-            _ if e.is_recoverable() => Self::Internal,
-            _ => Self::Other,
-        };
-        (kind, e.to_string())
-    }
+fn failure(e: &Error) -> Failure {
+    (Raised::of(e), e.to_string())
 }
 
 /// The element type of TensorFlow's `DataType` number `tf`.
@@ -86,32 +73,19 @@ fn scale(slice: Slice<'_>, factor: f64) {
     }
 }
 
-/// A lent tensor as the slice of its element type.
-fn slice_of(lent: &mut Lent) -> Slice<'_> {
-    match lent {
-        Lent::U8(b) => Slice::U8(b),
-        Lent::I32(b) => Slice::I32(b),
-        Lent::I64(b) => Slice::I64(b),
-        Lent::F16(b) => Slice::F16(b),
-        Lent::BF16(b) => Slice::BF16(b),
-        Lent::F32(b) => Slice::F32(b),
-        Lent::F64(b) => Slice::F64(b),
-    }
-}
-
 /// One op's tensors in flight: the last to finish calls the op's completion.
 struct Group {
     left: AtomicUsize,
-    failed: Mutex<Option<(Failure, String)>>,
+    failed: Mutex<Option<Failure>>,
     postscale: f64,
     done: Done,
     ctx: usize,
 }
 
 impl Group {
-    fn finish_one(&self, result: Result<Lent, (Failure, String)>) {
+    fn finish_one(&self, result: Result<Lent, Failure>) {
         match result {
-            Ok(mut lent) => scale(slice_of(&mut lent), self.postscale),
+            Ok(mut lent) => scale(lent.slice(), self.postscale),
             Err(e) => {
                 let mut failed = self.failed.lock().unwrap_or_else(PoisonError::into_inner);
                 failed.get_or_insert(e);
@@ -128,6 +102,12 @@ impl Group {
                 Some((kind, why)) => self.call(kind as c_int, &why),
             }
         }
+    }
+
+    /// Ends the op with `e`.
+    fn fail(&self, e: &Error) {
+        let (kind, why) = failure(e);
+        self.call(kind as c_int, &why);
     }
 
     fn call(&self, code: c_int, msg: &str) {
@@ -154,7 +134,7 @@ fn submit(s: &hvd::Submitter, name: &str, lent: Lent, op: ReduceOp, group: &Arc<
                 $(Lent::$v(b) => {
                     let g = Arc::clone(group);
                     s.allreduce_then(name, b, op, move |r| {
-                        g.finish_one(r.map(Lent::$v).map_err(|e| Failure::of(&Error::from(e))))
+                        g.finish_one(r.map(Lent::$v).map_err(|e| failure(&Error::from(e))))
                     })
                 })*
             }
@@ -235,7 +215,7 @@ pub unsafe extern "C" fn grouped_allreduce(
     ctx: *mut c_void,
 ) {
     let group = Arc::new(Group {
-        left: AtomicUsize::new(n.max(1)),
+        left: AtomicUsize::new(n),
         failed: Mutex::new(None),
         postscale,
         done,
@@ -247,8 +227,8 @@ pub unsafe extern "C" fn grouped_allreduce(
     });
     let call = match catch_unwind(start) {
         Ok(Ok(ready)) => ready,
-        Ok(Err(why)) => return group.call(Failure::Other as c_int, &why),
-        Err(_) => return group.call(Failure::Other as c_int, "hvd's op entry panicked"),
+        Ok(Err(why)) => return group.call(Raised::Other as c_int, &why),
+        Err(_) => return group.call(Raised::Other as c_int, "hvd's op entry panicked"),
     };
     if n == 0 {
         return group.call(0, "");
@@ -271,19 +251,13 @@ pub unsafe extern "C" fn grouped_allreduce(
         }));
         return match result {
             Ok(Ok(())) => group.call(0, ""),
-            Ok(Err(e)) => {
-                let (kind, why) = Failure::of(&e);
-                group.call(kind as c_int, &why)
-            }
-            Err(_) => group.call(Failure::Other as c_int, "hvd's op entry panicked"),
+            Ok(Err(e)) => group.fail(&e),
+            Err(_) => group.call(Raised::Other as c_int, "hvd's op entry panicked"),
         };
     }
     let s = match crate::engine_submitter() {
         Ok(s) => s,
-        Err(e) => {
-            let (kind, why) = Failure::of(&e);
-            return group.call(kind as c_int, &why);
-        }
+        Err(e) => return group.fail(&e),
     };
     let mut submitted = 0;
     let all = catch_unwind(AssertUnwindSafe(|| {
@@ -293,7 +267,7 @@ pub unsafe extern "C" fn grouped_allreduce(
             // SAFETY: the caller keeps the tensor allocated and unused until `done`, which
             // the group calls only after the engine gave every tensor back.
             let mut lent = unsafe { region.lend_foreign() };
-            scale(slice_of(&mut lent), prescale);
+            scale(lent.slice(), prescale);
             submit(&s, &format!("{}.{i}", call.name), lent, call.op, &group);
             submitted += 1;
         }
@@ -302,7 +276,7 @@ pub unsafe extern "C" fn grouped_allreduce(
         // The tensors submitted still end the group when the engine gives them back; the
         // others end it now, so `done` is still called once.
         for _ in submitted..n {
-            group.finish_one(Err((Failure::Other, "hvd's op entry panicked".into())));
+            group.finish_one(Err((Raised::Other, "hvd's op entry panicked".into())));
         }
     }
 }

@@ -33,10 +33,32 @@ create_exception!(
 
 /// Turns an `hvd` error into the Python exception Horovod raises for it, with its message.
 fn raise(e: Error) -> PyErr {
-    match &e {
-        Error::HostsUpdated { .. } => HostsUpdatedInterrupt::new_err(e.to_string()),
-        _ if e.is_recoverable() => HorovodInternalError::new_err(e.to_string()),
-        _ => PyRuntimeError::new_err(e.to_string()),
+    match Raised::of(&e) {
+        Raised::HostsUpdated => HostsUpdatedInterrupt::new_err(e.to_string()),
+        Raised::Internal => HorovodInternalError::new_err(e.to_string()),
+        Raised::Other => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+/// Which of Horovod's exceptions an `hvd` error is: decided here for Python's calls and for the
+/// compiled TensorFlow op alike (whose completion passes the discriminant as its code).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Raised {
+    /// `HorovodInternalError`: a peer failed, hung or left; an elastic job recovers.
+    Internal = 1,
+    /// `HostsUpdatedInterrupt`: the driver announced a host change.
+    HostsUpdated = 2,
+    /// Bad input or another error that no recovery mends.
+    Other = 3,
+}
+
+impl Raised {
+    fn of(e: &Error) -> Self {
+        match e {
+            Error::HostsUpdated { .. } => Self::HostsUpdated,
+            _ if e.is_recoverable() => Self::Internal,
+            _ => Self::Other,
+        }
     }
 }
 

@@ -248,6 +248,21 @@ pub enum Lent {
     F64(Borrowed<f64>),
 }
 
+impl Lent {
+    /// The lent memory as the slice of its element type.
+    pub fn slice(&mut self) -> Slice<'_> {
+        match self {
+            Self::U8(b) => Slice::U8(b),
+            Self::I32(b) => Slice::I32(b),
+            Self::I64(b) => Slice::I64(b),
+            Self::F16(b) => Slice::F16(b),
+            Self::BF16(b) => Slice::BF16(b),
+            Self::F32(b) => Slice::F32(b),
+            Self::F64(b) => Slice::F64(b),
+        }
+    }
+}
+
 impl Region {
     /// Lends the region to the engine, keeping `owner` (the tensor) referenced meanwhile.
     pub fn lend(self, owner: pyo3::Py<pyo3::PyAny>) -> Lent {

@@ -1,6 +1,12 @@
 //! The test virtualenv: `target/pyenv` with torch from PyPI (`python/requirements-test.txt`)
 //! and the `hvd` package built from `./python` by maturin, both installed on first use and
-//! shared by every test binary that runs Python.
+//! shared by every test binary that runs Python; and Debian's `g++`, which `hvd.tensorflow`
+//! compiles its TensorFlow op with, installed with apt when missing.
+
+// metrics.rs loads this file a second time, through the promtool support.
+#[allow(clippy::duplicate_mod)]
+#[path = "../../../store/tests/support/debian.rs"]
+mod debian;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -48,6 +54,9 @@ pub fn python() -> &'static Path {
 }
 
 fn set_up() -> Result<PathBuf, String> {
+    // hvd.tensorflow compiles its TensorFlow op with the C++ compiler at first use; a fresh
+    // machine may have gcc without g++.
+    debian::installed("c++", "g++");
     let venv = target_dir().join("pyenv");
     // Test binaries run side by side: one installs while the others wait for it.
     let lock = std::fs::File::create(target_dir().join("pyenv.lock"))

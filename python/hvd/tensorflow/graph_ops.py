@@ -13,6 +13,7 @@ the same results, slower; the reason is warned of once.
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -27,8 +28,6 @@ import tensorflow as tf
 from hvd import _hvd
 
 _SOURCE = Path(__file__).with_name("graph_ops.cc")
-# The loaded op module, False when it cannot be had, None before the first try.
-_loaded = [None]
 
 
 def cache_dir():
@@ -85,17 +84,12 @@ def build(path):
         os.replace(tmp, path)
 
 
+@functools.cache
 def library():
     """The op module (``library().hvd_grouped_allreduce``), built and loaded on first use,
     its entry point set to hvd's native module; None where it cannot be had."""
-    if _loaded[0] is None:
-        _loaded[0] = _load()
-    return _loaded[0] or None
-
-
-def _load():
     if os.environ.get("HVD_TF_GRAPH_OPS", "1") == "0":
-        return False
+        return None
     try:
         path = library_path()
         if not path.exists():
@@ -108,4 +102,4 @@ def _load():
         warnings.warn(f"hvd.tensorflow: allreduces inside tf.function run as "
                       f"tf.numpy_function nodes, slower, because hvd's compiled op is not "
                       f"available: {e}", RuntimeWarning, stacklevel=3)
-        return False
+        return None

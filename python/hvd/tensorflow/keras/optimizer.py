@@ -64,7 +64,8 @@ class _Accumulated:
     def __init__(self):
         self.count = None
         self.sums = {}
-        # The variables registered as this rank's own, by identity.
+        # The variables registered as this rank's own, by identity: kept here, untracked, for
+        # the same reason (Keras would otherwise take them for the optimizer's own).
         self.local = {}
 
 
