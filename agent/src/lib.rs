@@ -10,6 +10,8 @@
 //!   their output kept (bounded), for the driver that takes the job over.
 //! - [`connect`]: the driver's client, returning the two halves of an authenticated connection.
 //!   [`Events::next`] is cancel safe, so it can wait in a `select!` beside other work.
+//! - [`dying`]: a child's failure noticed when its death begins, before the kernel has freed
+//!   its memory (which may take longer than the job's recovery).
 //! - [`reap_orphans`]: for an agent that is PID 1, reaping the orphans it inherits.
 //!
 //! ```no_run
@@ -31,6 +33,7 @@
 
 pub mod auth;
 mod client;
+pub mod dying;
 mod lines;
 mod net;
 pub mod proto;

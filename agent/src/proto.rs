@@ -114,6 +114,17 @@ pub enum FromAgent {
         /// The line.
         line: String,
     },
+    /// A process began to die of a failure (a signal, or a nonzero exit code); its
+    /// [`FromAgent::Exited`] follows once the kernel has freed its memory and its last lines
+    /// are sent. Sent at most once per process, and never for an exit 0.
+    Dying {
+        /// The process.
+        id: u64,
+        /// Its exit code, when it is exiting.
+        code: Option<i32>,
+        /// The signal that is killing it, when one is.
+        signal: Option<i32>,
+    },
     /// A process ended; every line it wrote was sent before this.
     Exited {
         /// The process.

@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
-use std::process::Stdio;
+use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -33,7 +33,7 @@ use tokio::time::Instant;
 use crate::auth;
 use crate::lines::{Line, LineReader};
 use crate::proto::{FromAgent, Held, Stream, ToAgent};
-use crate::{net, reaper};
+use crate::{dying, net, reaper};
 
 /// How long a new connection has to answer the challenge.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
@@ -694,6 +694,9 @@ fn stop(id: u64, p: &Proc, grace: Duration) {
 }
 
 fn signal_group(pid: i32, sig: Signal) {
+    if sig == Signal::SIGKILL {
+        dying::yield_cores(pid);
+    }
     if let Err(e) = killpg(Pid::from_raw(pid), sig) {
         tracing::debug!(pid, %sig, error = %e, "signalling the process group failed (gone?)");
     }
@@ -786,6 +789,23 @@ fn start(
     }
     let (out, done_tx) = (out.clone(), done_tx.clone());
     tokio::spawn(async move {
+        // A failure is told as soon as the process starts dying: its memory may take longer
+        // to free than the job takes to re-form without it.
+        let dying = tokio::select! {
+            biased;
+            _ = child.wait() => None,
+            status = dying::failing(pid) => Some(ExitStatus::from_raw(status)),
+        };
+        if let Some(st) = dying {
+            dying::yield_cores(pid);
+            tracing::info!(id, pid, code = ?st.code(), signal = ?st.signal(), "process is dying");
+            out.send(FromAgent::Dying {
+                id,
+                code: st.code(),
+                signal: st.signal(),
+            })
+            .await;
+        }
         let (code, signal) = match child.wait().await {
             Ok(st) => (st.code(), st.signal()),
             Err(e) => {

@@ -72,6 +72,12 @@ fn from_agent() -> impl Strategy<Value = FromAgent> {
             proptest::option::of(any::<i32>())
         )
             .prop_map(|(id, code, signal)| FromAgent::Exited { id, code, signal }),
+        (
+            any::<u64>(),
+            proptest::option::of(any::<i32>()),
+            proptest::option::of(any::<i32>())
+        )
+            .prop_map(|(id, code, signal)| FromAgent::Dying { id, code, signal }),
         text().prop_map(|reason| FromAgent::Error { reason }),
         (vec((any::<u64>(), any::<u32>()), 0..4), any::<u64>()).prop_map(
             |(held, dropped_lines)| FromAgent::Claimed {

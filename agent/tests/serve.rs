@@ -139,12 +139,15 @@ async fn next(ev: &mut Events) -> FromAgent {
         .expect("connection open")
 }
 
-/// Collects messages about `id` until its exit: (stdout lines, stderr lines, exit).
+/// Collects messages about `id` until its exit: (stdout lines, stderr lines, exit). A
+/// failure may be told early (`Dying`, when it is seen before the process is reaped): then
+/// once, before the exit, with the same status.
 async fn run_to_exit(
     ev: &mut Events,
     id: u64,
 ) -> (Vec<String>, Vec<String>, (Option<i32>, Option<i32>)) {
     let (mut out, mut err) = (Vec::new(), Vec::new());
+    let mut dying = None;
     loop {
         match next(ev).await {
             FromAgent::Output {
@@ -155,11 +158,29 @@ async fn run_to_exit(
                 Stream::Stdout => out.push(line),
                 Stream::Stderr => err.push(line),
             },
+            FromAgent::Dying {
+                id: i,
+                code,
+                signal,
+            } if i == id => {
+                assert!(dying.is_none(), "told dying twice");
+                assert_ne!(
+                    (code, signal),
+                    (Some(0), None),
+                    "an exit 0 is not a failure"
+                );
+                dying = Some((code, signal));
+            }
             FromAgent::Exited {
                 id: i,
                 code,
                 signal,
-            } if i == id => return (out, err, (code, signal)),
+            } if i == id => {
+                if let Some(early) = dying {
+                    assert_eq!(early, (code, signal), "the early status is the exit's");
+                }
+                return (out, err, (code, signal));
+            }
             FromAgent::Started { .. } => {}
             other => panic!("unexpected {other:?}"),
         }
@@ -603,7 +624,7 @@ async fn the_last_lines_of_a_crash_arrive_before_its_exit_when_the_driver_lags()
             } => assert_eq!(line, "x"),
             FromAgent::Output { line, .. } => err.push(line),
             FromAgent::Exited { code, signal, .. } => break (code, signal),
-            FromAgent::Started { .. } => {}
+            FromAgent::Started { .. } | FromAgent::Dying { .. } => {}
             other => panic!("{other:?}"),
         }
     };
@@ -821,6 +842,7 @@ async fn a_claimed_job_outlives_its_driver_and_goes_to_the_next_claim() {
             }
             FromAgent::Output { id: 8, line, .. } => words = line == "last words",
             FromAgent::Exited { id: 8, code, .. } => exit8 = Some(code),
+            FromAgent::Dying { id: 8, code, .. } => assert_eq!(code, Some(3)),
             other => panic!("unexpected {other:?}"),
         }
     }
@@ -838,7 +860,7 @@ async fn a_claimed_job_outlives_its_driver_and_goes_to_the_next_claim() {
                 assert_eq!(signal, Some(9));
                 break;
             }
-            FromAgent::Output { id: 7, .. } => {}
+            FromAgent::Output { id: 7, .. } | FromAgent::Dying { id: 7, .. } => {}
             other => panic!("unexpected {other:?}"),
         }
     }

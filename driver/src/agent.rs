@@ -229,6 +229,8 @@ struct Live {
     out: Feed,
     err: Feed,
     started: bool,
+    /// Its end was reported when it began to die ([`FromAgent::Dying`]).
+    ended: bool,
 }
 
 /// One output stream of a worker: lines queued for a task that writes them to the worker's
@@ -381,7 +383,7 @@ async fn connection(
                     Some(Cmd::Start { id, argv, env, cwd, out, err }) => {
                         let out = Feed::new(out, BACKLOG, format!("worker {id} stdout at {addr}"));
                         let err = Feed::new(err, BACKLOG, format!("worker {id} stderr at {addr}"));
-                        live.insert(id, Live { out, err, started: false });
+                        live.insert(id, Live { out, err, started: false, ended: false });
                         ToAgent::Start { id, argv, env, cwd }
                     }
                     Some(Cmd::Stop { id, grace }) => ToAgent::Stop {
@@ -413,11 +415,20 @@ async fn connection(
                         }
                     }
                 }
+                Some(Ok(Some(FromAgent::Dying { id, code, signal }))) => {
+                    // Its lines keep coming until its exit; the job re-forms meanwhile.
+                    if let Some(w) = live.get_mut(&id).filter(|w| !w.ended) {
+                        w.ended = true;
+                        let end = Ended::Status(status(code, signal));
+                        let _ = exits.send(Exit { worker: id, end }).await;
+                    }
+                }
                 Some(Ok(Some(FromAgent::Exited { id, code, signal }))) => {
                     // Dropping the feeds ends the worker's relays after the lines above.
-                    live.remove(&id);
-                    let end = Ended::Status(status(code, signal));
-                    let _ = exits.send(Exit { worker: id, end }).await;
+                    if live.remove(&id).is_some_and(|w| !w.ended) {
+                        let end = Ended::Status(status(code, signal));
+                        let _ = exits.send(Exit { worker: id, end }).await;
+                    }
                 }
                 Some(Ok(Some(FromAgent::Claimed { processes, dropped_lines }))) => {
                     if dropped_lines > 0 {
@@ -430,7 +441,7 @@ async fn connection(
                         let (err_w, err_r) = tokio::io::duplex(PIPE);
                         let out = Feed::new(out_w, BACKLOG, format!("worker {} stdout at {addr}", p.id));
                         let err = Feed::new(err_w, BACKLOG, format!("worker {} stderr at {addr}", p.id));
-                        live.insert(p.id, Live { out, err, started: true });
+                        live.insert(p.id, Live { out, err, started: true, ended: false });
                         let remote = Remote { id: p.id, tx: tx.clone() };
                         let _ = c.handed.send((remote, out_r, err_r));
                     }
@@ -669,6 +680,61 @@ mod tests {
             second.end
         );
         assert_eq!(read_all(out1).await, "a line cut in two by a stop\n");
+        drop(fake.await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_dying_worker_is_reported_once_at_once_and_its_last_lines_still_come() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (dying_tx, dying_rx) = oneshot::channel();
+        let (go_tx, go_rx) = oneshot::channel::<()>();
+        let fake = tokio::spawn(async move {
+            let mut f = Fake::accept(&listener).await;
+            assert!(matches!(f.recv().await, ToAgent::Start { id: 1, .. }));
+            f.send(&FromAgent::Started { id: 1, pid: 10 }).await;
+            let dying = FromAgent::Dying {
+                id: 1,
+                code: None,
+                signal: Some(9),
+            };
+            f.send(&dying).await;
+            dying_tx.send(()).unwrap();
+            go_rx.await.unwrap();
+            // The lines it wrote before the kill, then its exit once its memory is freed.
+            f.send(&FromAgent::Output {
+                id: 1,
+                stream: Stream::Stdout,
+                line: "written before the kill".into(),
+            })
+            .await;
+            f.send(&FromAgent::Exited {
+                id: 1,
+                code: None,
+                signal: Some(9),
+            })
+            .await;
+            f
+        });
+        let mut agents = Agents::new(port, SECRET.into());
+        let (exit_tx, mut exits) = mpsc::channel(16);
+        let (_r1, out1, _e1) = agents
+            .start("127.0.0.1", 1, sh("x"), vec![], None, &exit_tx)
+            .unwrap();
+        dying_rx.await.unwrap();
+        let early = next_exit(&mut exits).await;
+        assert_eq!(early.worker, 1);
+        assert!(
+            matches!(early.end, Ended::Status(s) if s.signal() == Some(9)),
+            "{:?}",
+            early.end
+        );
+        go_tx.send(()).unwrap();
+        assert_eq!(read_all(out1).await, "written before the kill\n");
+        assert!(
+            exits.try_recv().is_err(),
+            "the exit after the early report is not reported again"
+        );
         drop(fake.await.unwrap());
     }
 

@@ -451,6 +451,9 @@ impl Handle {
     pub fn signal(&self, sig: Signal) {
         match self {
             Handle::Group(pid) => {
+                if sig == Signal::SIGKILL {
+                    hvd_agent::dying::yield_cores(*pid);
+                }
                 if let Err(e) = killpg(Pid::from_raw(*pid), sig) {
                     tracing::debug!(pid, error = %e, "signalling worker failed (already gone?)");
                 }
@@ -597,6 +600,31 @@ impl Launcher {
         }
         let exits = self.exits.clone();
         tokio::spawn(async move {
+            let failing = async {
+                match pid {
+                    Some(pid) => hvd_agent::dying::failing(pid).await,
+                    None => std::future::pending().await,
+                }
+            };
+            // A failure is reported as soon as the worker starts dying; its wait follows
+            // once the kernel has freed its memory.
+            let early = tokio::select! {
+                biased;
+                _ = child.wait() => None,
+                status = failing => Some(ExitStatus::from_raw(status)),
+            };
+            if let Some(status) = early {
+                if let Some(pid) = pid {
+                    hvd_agent::dying::yield_cores(pid);
+                }
+                tracing::debug!(worker = id, %status, "worker is dying");
+                let _ = exits
+                    .send(Exit {
+                        worker: id,
+                        end: Ended::Status(status),
+                    })
+                    .await;
+            }
             let status = match child.wait().await {
                 Ok(st) => st,
                 Err(e) => {
@@ -605,9 +633,11 @@ impl Launcher {
                 }
             };
             ended.store(true, Ordering::SeqCst);
-            // The job may be over; then nobody listens.
-            let end = Ended::Status(status);
-            let _ = exits.send(Exit { worker: id, end }).await;
+            if early.is_none() {
+                // The job may be over; then nobody listens.
+                let end = Ended::Status(status);
+                let _ = exits.send(Exit { worker: id, end }).await;
+            }
         });
         let handle = pid.map_or(Handle::Gone, Handle::Group);
         Ok(Spawned { handle, relays })
