@@ -269,6 +269,22 @@ macro_rules! half_element {
 half_element!(f16, DType::F16);
 half_element!(bf16, DType::BF16);
 
+/// Calls the generic `$f::<T>(args)` for the element type `T` of a runtime [`DType`].
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            $crate::DType::U8 => $f::<u8>($($arg),*),
+            $crate::DType::I32 => $f::<i32>($($arg),*),
+            $crate::DType::I64 => $f::<i64>($($arg),*),
+            $crate::DType::F16 => $f::<$crate::f16>($($arg),*),
+            $crate::DType::BF16 => $f::<$crate::bf16>($($arg),*),
+            $crate::DType::F32 => $f::<f32>($($arg),*),
+            $crate::DType::F64 => $f::<f64>($($arg),*),
+        }
+    };
+}
+pub(crate) use by_dtype;
+
 #[cfg(test)]
 mod tests {
     use super::*;

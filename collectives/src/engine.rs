@@ -28,17 +28,19 @@
 //! leaves the communicator; the owner builds a new engine on a new communicator.
 
 use std::any::Any;
-use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::autotune::{AutotuneConfig, Setting, Tuned, Tuner};
-use crate::buffer::HugeBuffer;
 use crate::comm::Communicator;
-use crate::dtype::{DType, Element, ReduceOp};
+use crate::dtype::{DType, Element, ReduceOp, by_dtype};
 use crate::error::{CommError, Result};
+use crate::fusion::{self, Batch, FusionBuffer};
+use crate::negotiation::{self, Announce, Cache, Sig};
+use crate::stall::StallCheck;
 use crate::timeline::Timeline;
+use crate::wire::Kind;
 
 /// How the engine runs.
 #[derive(Debug, Clone)]
@@ -195,39 +197,31 @@ enum Coll {
 }
 
 impl Coll {
+    /// The collective, as the wire and the negotiation name it.
+    fn kind(&self) -> Kind {
+        match self {
+            Self::Allreduce(_) => Kind::Allreduce,
+            Self::Reducescatter(_) => Kind::Reducescatter,
+            Self::Broadcast(_) => Kind::Broadcast,
+            Self::Allgather(_) => Kind::Allgather,
+            Self::Alltoall(_) => Kind::Alltoall,
+        }
+    }
+
     fn name(&self) -> &'static str {
-        match self {
-            Self::Allreduce(_) => "allreduce",
-            Self::Reducescatter(_) => "reducescatter",
-            Self::Broadcast(_) => "broadcast",
-            Self::Allgather(_) => "allgather",
-            Self::Alltoall(_) => "alltoall",
-        }
+        self.kind().name()
     }
 
-    /// (kind, parameter) as announced; ranks must agree on both.
-    fn tag(&self) -> (u8, u64) {
+    /// The collective's parameter as announced (reduction, root or row length); ranks must
+    /// agree on it.
+    fn param(&self) -> u64 {
         match self {
-            Self::Allreduce(op) => (0, *op as u64),
-            Self::Reducescatter(op) => (1, *op as u64),
-            Self::Broadcast(root) => (2, *root as u64),
-            Self::Allgather(row_len) => (3, *row_len as u64),
-            Self::Alltoall(_) => (4, 0),
+            Self::Allreduce(op) | Self::Reducescatter(op) => *op as u64,
+            Self::Broadcast(root) => *root as u64,
+            Self::Allgather(row_len) => *row_len as u64,
+            Self::Alltoall(_) => 0,
         }
     }
-}
-
-fn kind_name(kind: u8) -> &'static str {
-    [
-        "allreduce",
-        "reducescatter",
-        "broadcast",
-        "allgather",
-        "alltoall",
-    ]
-    .get(usize::from(kind))
-    .copied()
-    .unwrap_or("?")
 }
 
 struct Request {
@@ -248,18 +242,18 @@ impl Request {
     }
 
     fn sig(&self) -> Sig {
-        let (kind, param) = self.coll.tag();
+        let kind = self.coll.kind();
         // Allgather and alltoall contributions differ in length from rank to rank.
-        let count = if kind >= 3 {
+        let count = if kind.count_is_per_rank() {
             0
         } else {
             self.tensor.elems() as u64
         };
         Sig {
             name: self.name.clone(),
-            dtype: self.tensor.dtype() as u8,
+            dtype: self.tensor.dtype(),
             kind,
-            param,
+            param: self.coll.param(),
             count,
         }
     }
@@ -663,236 +657,16 @@ impl Drop for Engine {
     }
 }
 
-/// What ranks must agree on for an op to run: its name, element type, collective, that
-/// collective's parameter (reduction, root or row length) and its length (0 where ranks may
-/// differ: allgather, alltoall).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct Sig {
-    name: String,
-    dtype: u8,
-    kind: u8,
-    param: u64,
-    count: u64,
-}
-
-impl Sig {
-    fn describe(&self) -> String {
-        let dtype = DType::from_tag(self.dtype).map_or("?", DType::name);
-        let param = match self.kind {
-            0 | 1 => format!("{:?}", ReduceOp::from_tag(self.param as u8)),
-            2 => format!("root {}", self.param),
-            3 => format!("rows of {}", self.param),
-            _ => String::new(),
-        };
-        format!(
-            "{} '{}' of {} {dtype} ({param})",
-            kind_name(self.kind),
-            self.name,
-            self.count
-        )
-    }
-}
-
-/// One pending op in an announcement: in full, or by its id in the response cache.
-#[derive(Debug, Clone, PartialEq)]
-enum Entry {
-    Full(Sig),
-    Cached(u32),
-}
-
-/// What one rank announces in a cycle.
-#[derive(Debug, Default, Clone, PartialEq)]
-struct Announce {
-    stopping: bool,
-    /// This rank has joined (see [`Submitter::join`]).
-    joined: bool,
-    /// Rank 0's clock (milliseconds since its engine started); the stall clock of all ranks.
-    clock_ms: u64,
-    /// Every pending op, in submission order.
-    ops: Vec<Entry>,
-    /// Rank 0 only: the knobs every rank applies at this cycle, and whether autotune goes on
-    /// trying settings after it.
-    setting: Option<(Setting, bool)>,
-}
-
-impl Announce {
-    fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(16 + self.ops.len() * 8);
-        let tuning = self.setting.is_some_and(|(_, t)| t);
-        b.push(
-            u8::from(self.stopping)
-                | (u8::from(self.joined) << 1)
-                | (u8::from(self.setting.is_some()) << 2)
-                | (u8::from(tuning) << 3),
-        );
-        b.extend_from_slice(&self.clock_ms.to_le_bytes());
-        if let Some((s, _)) = self.setting {
-            b.extend_from_slice(&(s.fusion_bytes as u64).to_le_bytes());
-            b.extend_from_slice(&(s.cycle.as_nanos() as u64).to_le_bytes());
-            b.push(
-                u8::from(s.cache)
-                    | (u8::from(s.hierarchical_allreduce) << 1)
-                    | (u8::from(s.hierarchical_allgather) << 2),
-            );
-        }
-        b.extend_from_slice(&(self.ops.len() as u32).to_le_bytes());
-        for e in &self.ops {
-            match e {
-                Entry::Cached(id) => {
-                    b.push(1);
-                    b.extend_from_slice(&id.to_le_bytes());
-                }
-                Entry::Full(s) => {
-                    b.push(0);
-                    b.extend_from_slice(&(s.name.len() as u32).to_le_bytes());
-                    b.extend_from_slice(s.name.as_bytes());
-                    b.push(s.dtype);
-                    b.push(s.kind);
-                    b.extend_from_slice(&s.param.to_le_bytes());
-                    b.extend_from_slice(&s.count.to_le_bytes());
-                }
-            }
-        }
-        b
-    }
-
-    /// Decodes one announcement from the front of `b`; returns it and the bytes it used.
-    fn decode(b: &[u8]) -> Option<(Self, usize)> {
-        let mut at = 0usize;
-        let mut take = |n: usize| -> Option<&[u8]> {
-            let s = b.get(at..at + n)?;
-            at += n;
-            Some(s)
-        };
-        let u64_at = |s: &[u8]| -> Option<u64> { Some(u64::from_le_bytes(s.try_into().ok()?)) };
-        let u32_at = |s: &[u8]| -> Option<u32> { Some(u32::from_le_bytes(s.try_into().ok()?)) };
-        let flags = take(1)?[0];
-        let (stopping, joined) = (flags & 1 != 0, flags & 2 != 0);
-        let clock_ms = u64_at(take(8)?)?;
-        let setting = if flags & 4 != 0 {
-            let fusion_bytes = usize::try_from(u64_at(take(8)?)?).ok()?;
-            let cycle = Duration::from_nanos(u64_at(take(8)?)?);
-            let knobs = take(1)?[0];
-            Some((
-                Setting {
-                    fusion_bytes,
-                    cycle,
-                    cache: knobs & 1 != 0,
-                    hierarchical_allreduce: knobs & 2 != 0,
-                    hierarchical_allgather: knobs & 4 != 0,
-                },
-                flags & 8 != 0,
-            ))
-        } else {
-            None
-        };
-        let count = u32_at(take(4)?)? as usize;
-        let mut ops = Vec::with_capacity(count.min(1 << 16));
-        for _ in 0..count {
-            if take(1)?[0] == 1 {
-                ops.push(Entry::Cached(u32_at(take(4)?)?));
-                continue;
-            }
-            let len = u32_at(take(4)?)? as usize;
-            let name = String::from_utf8(take(len)?.to_vec()).ok()?;
-            let dtype = take(1)?[0];
-            let kind = take(1)?[0];
-            let param = u64_at(take(8)?)?;
-            let count = u64_at(take(8)?)?;
-            ops.push(Entry::Full(Sig {
-                name,
-                dtype,
-                kind,
-                param,
-                count,
-            }));
-        }
-        Some((
-            Self {
-                stopping,
-                joined,
-                clock_ms,
-                ops,
-                setting,
-            },
-            at,
-        ))
-    }
-}
-
-/// The response cache: ops agreed before, by a short id. Every rank records the same agreed
-/// ops in the same order, so the ids mean the same everywhere; when full, the entry agreed
-/// least recently gives its id to the new one.
-#[derive(Debug, Default)]
-struct Cache {
-    capacity: usize,
-    ids: HashMap<Sig, u32>,
-    /// By id: the op and when it was last agreed.
-    slots: Vec<(Sig, u64)>,
-    clock: u64,
-}
-
-impl Cache {
-    fn new(capacity: usize) -> Self {
-        Self {
-            capacity: capacity.min(u32::MAX as usize),
-            ..Self::default()
-        }
-    }
-
-    fn entry(&self, sig: Sig) -> Entry {
-        match self.ids.get(&sig) {
-            Some(&id) => Entry::Cached(id),
-            None => Entry::Full(sig),
-        }
-    }
-
-    fn get(&self, id: u32) -> Option<&Sig> {
-        self.slots.get(id as usize).map(|(s, _)| s)
-    }
-
-    /// Notes that every rank agreed on `sig`.
-    fn record(&mut self, sig: &Sig) {
-        if self.capacity == 0 {
-            return;
-        }
-        self.clock += 1;
-        if let Some(&id) = self.ids.get(sig) {
-            self.slots[id as usize].1 = self.clock;
-            return;
-        }
-        let id = if self.slots.len() < self.capacity {
-            self.slots.push((sig.clone(), self.clock));
-            self.slots.len() - 1
-        } else {
-            // Ties cannot happen: every use gets its own tick.
-            let (victim, _) = self
-                .slots
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, (_, used))| *used)
-                .unwrap_or((0, &(sig.clone(), 0)));
-            let old = std::mem::replace(&mut self.slots[victim], (sig.clone(), self.clock));
-            self.ids.remove(&old.0);
-            victim
-        };
-        self.ids.insert(sig.clone(), id as u32);
-    }
-}
-
 struct Worker {
     comm: Communicator,
     cfg: EngineConfig,
     rx: mpsc::Receiver<Command>,
     pending: Vec<Request>,
     started: Instant,
-    /// Rank 0's clock when each name was first seen pending on some rank.
-    first_seen: HashMap<String, u64>,
+    /// Ops pending on some ranks only, and for how long.
+    stalls: StallCheck,
     stopping: bool,
-    /// The fusion buffer, in its own mapping from 2 MiB on (huge pages where the kernel has
-    /// them), so it goes back to the system when the engine stops whatever malloc's mmap
-    /// threshold; it only grows.
-    fusion: HugeBuffer<u64>,
+    fusion: FusionBuffer,
     cache: Cache,
     /// When this cycle's ops were agreed; they queue from then until each runs.
     agreed: Instant,
@@ -901,8 +675,6 @@ struct Worker {
     /// Which ranks had joined as of the last cycle, and the one that joined last.
     joined: Vec<bool>,
     last_joined: usize,
-    /// Rank 0's clock when the stall check last warned of each stalled op.
-    warned: HashMap<String, u64>,
     /// Rank 0's autotune, and the setting it wants announced next.
     tuner: Option<Tuner>,
     proposed: Option<(Setting, bool)>,
@@ -945,7 +717,6 @@ impl Worker {
             tuned: None,
         };
         Self {
-            warned: HashMap::new(),
             tuner,
             proposed,
             last_step: Instant::now(),
@@ -961,9 +732,9 @@ impl Worker {
             rx,
             pending: Vec::new(),
             started: Instant::now(),
-            first_seen: HashMap::new(),
+            stalls: StallCheck::default(),
             stopping: false,
-            fusion: HugeBuffer::default(),
+            fusion: FusionBuffer::default(),
             agreed: Instant::now(),
             join: None,
             joined: Vec::new(),
@@ -1123,80 +894,30 @@ impl Worker {
         }
         self.joined.clone_from(&joined);
         let all_joined = joined.iter().all(|&j| j);
-        // The ranks an op must be pending on to run: all of them, or those not joined (the
-        // joined ones contribute zeros to allreduces).
-        let needed: Vec<usize> = (0..n).filter(|&r| all_joined || !joined[r]).collect();
+        let needed = negotiation::needed(&joined);
         // Every rank's pending ops in full, in its order.
         let mut lists: Vec<Vec<Sig>> = Vec::with_capacity(n);
         for (rank, a) in gathered.iter().enumerate() {
-            let mut list = Vec::with_capacity(a.ops.len());
-            for e in &a.ops {
-                list.push(match e {
-                    Entry::Full(sig) => sig.clone(),
-                    Entry::Cached(id) => self.cache.get(*id).cloned().ok_or_else(|| {
-                        self.comm.fail(CommError::Protocol {
-                            rank,
-                            detail: format!("announced op {id}, which is not in the cache"),
-                        })
-                    })?,
-                });
-            }
-            lists.push(list);
+            lists.push(self.cache.resolve(&a.ops).map_err(|id| {
+                self.comm.fail(CommError::Protocol {
+                    rank,
+                    detail: format!("announced op {id}, which is not in the cache"),
+                })
+            })?);
         }
-        let sets: Vec<HashMap<&str, &Sig>> = lists
-            .iter()
-            .map(|l| l.iter().map(|s| (s.name.as_str(), s)).collect())
-            .collect();
-        // Ready on every needed rank, in the first needed rank's order; the same list on
-        // every rank.
-        let mut ready: Vec<String> = Vec::new();
-        let mut zeros: Vec<Sig> = Vec::new();
-        let mut failed: Vec<(String, CommError)> = Vec::new();
-        let lead = needed[0];
-        for sig in &lists[lead] {
-            let name = sig.name.as_str();
-            if !needed.iter().all(|&r| sets[r].contains_key(name)) {
-                continue;
-            }
-            let absent: Vec<usize> = (0..n).filter(|&r| !sets[r].contains_key(name)).collect();
-            if let Some(r) = (0..n).find(|&r| sets[r].get(name).is_some_and(|s| *s != sig)) {
-                failed.push((
-                    sig.name.clone(),
-                    CommError::Mismatch {
-                        seq: 0,
-                        rank_a: lead,
-                        desc_a: sig.describe(),
-                        rank_b: r,
-                        desc_b: sets[r][name].describe(),
-                    },
-                ));
-            } else if !absent.is_empty() && sig.kind != 0 {
-                failed.push((
-                    sig.name.clone(),
-                    CommError::InvalidArgument {
-                        op: "engine",
-                        detail: format!(
-                            "{} cannot run while ranks {absent:?} have joined: only \
-                             allreduce can",
-                            sig.describe()
-                        ),
-                    },
-                ));
-            } else {
-                self.cache.record(sig);
-                ready.push(sig.name.clone());
-                if absent.contains(&self.comm.rank()) {
-                    zeros.push(sig.clone());
-                }
-            }
+        let agreement = negotiation::agree(&lists, &needed, self.comm.rank());
+        let mut failed = agreement.failed;
+        for sig in &agreement.ready {
+            self.cache.record(sig);
         }
+        let ready: Vec<String> = agreement.ready.into_iter().map(|s| s.name).collect();
         // A joined rank takes part in the others' allreduces with zeros of the same shape.
-        for sig in zeros {
+        for sig in agreement.zeros {
             if let Some(r) = zero_request(&sig) {
                 self.pending.push(r);
             }
         }
-        self.stall_check(&sets, &needed, clock, &mut failed);
+        failed.extend(self.stall_check(&lists, &needed, clock));
         for (name, e) in failed {
             if let Some(i) = self.pending.iter().position(|r| r.name == name) {
                 let r = self.pending.remove(i);
@@ -1298,7 +1019,7 @@ impl Worker {
         self.cfg.fusion_bytes = setting.fusion_bytes;
         self.cfg.cycle = setting.cycle;
         let capacity = if setting.cache { self.cache_on } else { 0 };
-        if capacity != self.cache.capacity {
+        if capacity != self.cache.capacity() {
             self.cache = Cache::new(capacity);
         }
         self.comm.set_hierarchical(
@@ -1332,86 +1053,40 @@ impl Worker {
         }
     }
 
-    /// The stall check: warns of ops pending on some needed ranks but not all for longer
-    /// than the warning time (rank 0 logs it; every rank counts it), once per warning period,
-    /// and fails them past the shutdown time. `clock` is rank 0's, so all ranks agree.
+    /// The stall check ([`crate::stall`]): rank 0 logs its warnings, every rank counts them;
+    /// returns the ops that fail.
     fn stall_check(
         &mut self,
-        sets: &[HashMap<&str, &Sig>],
+        lists: &[Vec<Sig>],
         needed: &[usize],
         clock: u64,
-        failed: &mut Vec<(String, CommError)>,
-    ) {
+    ) -> Vec<(String, CommError)> {
         if !self.cfg.stall_check {
-            self.first_seen.clear();
-            self.warned.clear();
-            return;
+            self.stalls.clear();
+            return Vec::new();
         }
-        let mut seen_now: HashSet<&str> = HashSet::new();
-        for s in sets {
-            for name in s.keys() {
-                if !needed.iter().all(|&r| sets[r].contains_key(name)) {
-                    seen_now.insert(name);
-                }
+        let found = self.stalls.check(
+            lists,
+            needed,
+            clock,
+            self.cfg.stall_warning,
+            self.cfg.stall_shutdown,
+        );
+        if !found.warnings.is_empty() {
+            if self.comm.rank() == 0 {
+                tracing::warn!(
+                    ops = %found.warnings.join(", "),
+                    after = ?self.cfg.stall_warning,
+                    "stall check: ops submitted by some ranks are still waiting for the others; \
+                     one or more ranks may have stopped submitting them"
+                );
             }
+            self.status
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .stall_warnings += found.warnings.len() as u64;
         }
-        self.first_seen.retain(|k, _| seen_now.contains(k.as_str()));
-        self.warned.retain(|k, _| seen_now.contains(k.as_str()));
-        let warning = self.cfg.stall_warning.as_millis() as u64;
-        let shutdown = Some(self.cfg.stall_shutdown)
-            .filter(|d| !d.is_zero() && *d >= self.cfg.stall_warning)
-            .map(|d| d.as_millis() as u64);
-        let mut names: Vec<&str> = seen_now.into_iter().collect();
-        names.sort_unstable();
-        let mut warnings: Vec<String> = Vec::new();
-        for name in names {
-            let first = *self.first_seen.entry(name.to_string()).or_insert(clock);
-            let waited = clock.saturating_sub(first);
-            let have: Vec<usize> = (0..sets.len())
-                .filter(|&r| sets[r].contains_key(name))
-                .collect();
-            let missing: Vec<usize> = needed
-                .iter()
-                .copied()
-                .filter(|&r| !sets[r].contains_key(name))
-                .collect();
-            if shutdown.is_some_and(|s| waited >= s) {
-                failed.push((
-                    name.to_string(),
-                    CommError::InvalidArgument {
-                        op: "engine",
-                        detail: format!(
-                            "op '{name}' was submitted by ranks {have:?} but not by ranks \
-                             {missing:?} within {:?} (stalled)",
-                            self.cfg.stall_shutdown
-                        ),
-                    },
-                ));
-                self.first_seen.remove(name);
-                self.warned.remove(name);
-                continue;
-            }
-            let last = self.warned.get(name).copied().unwrap_or(first);
-            if waited >= warning && clock.saturating_sub(last) >= warning {
-                self.warned.insert(name.to_string(), clock);
-                warnings.push(format!("'{name}' (missing ranks {missing:?})"));
-            }
-        }
-        if warnings.is_empty() {
-            return;
-        }
-        if self.comm.rank() == 0 {
-            tracing::warn!(
-                ops = %warnings.join(", "),
-                after = ?self.cfg.stall_warning,
-                "stall check: ops submitted by some ranks are still waiting for the others; \
-                 one or more ranks may have stopped submitting them"
-            );
-        }
-        self.status
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .stall_warnings += warnings.len() as u64;
+        found.failed
     }
 
     fn gather(&mut self, mine: &Announce) -> Result<Vec<Announce>> {
@@ -1448,33 +1123,32 @@ impl Worker {
 
     /// Runs the agreed ops in order, fusing runs of allreduces of one dtype and reduction.
     fn run_ready(&mut self, ready: &[String]) -> Result<()> {
-        let mut batch: Vec<Request> = Vec::new();
+        let mut ops: Vec<Request> = Vec::with_capacity(ready.len());
         for name in ready {
-            let Some(i) = self.pending.iter().position(|r| &r.name == name) else {
-                continue;
-            };
-            let r = self.pending.remove(i);
-            let Some(op) = r.allreduce_op() else {
-                if !batch.is_empty() {
-                    self.reduce_batch(std::mem::take(&mut batch))?;
-                }
-                self.run_alone(r)?;
-                continue;
-            };
-            let fits = batch.first().is_none_or(|b| {
-                b.tensor.dtype() == r.tensor.dtype()
-                    && b.allreduce_op() == Some(op)
-                    && batch.iter().map(|x| x.tensor.bytes().len()).sum::<usize>()
-                        + r.tensor.bytes().len()
-                        <= self.cfg.fusion_bytes
-            });
-            if !fits {
-                self.reduce_batch(std::mem::take(&mut batch))?;
+            if let Some(i) = self.pending.iter().position(|r| &r.name == name) {
+                ops.push(self.pending.remove(i));
             }
-            batch.push(r);
         }
-        if !batch.is_empty() {
-            self.reduce_batch(batch)?;
+        let shapes: Vec<_> = ops
+            .iter()
+            .map(|r| {
+                r.allreduce_op()
+                    .map(|op| (r.tensor.dtype(), op, r.tensor.bytes().len()))
+            })
+            .collect();
+        let mut ops = ops.into_iter();
+        for batch in fusion::plan(&shapes, self.cfg.fusion_bytes) {
+            match batch {
+                Batch::Alone(_) => {
+                    if let Some(r) = ops.next() {
+                        self.run_alone(r)?;
+                    }
+                }
+                Batch::Fused(range) => {
+                    let batch: Vec<Request> = ops.by_ref().take(range.len()).collect();
+                    self.reduce_batch(batch)?;
+                }
+            }
         }
         Ok(())
     }
@@ -1542,69 +1216,32 @@ impl Worker {
             return Ok(());
         }
         let dtype = batch[0].tensor.dtype();
+        let mut tensors: Vec<&mut [u8]> = batch.iter_mut().map(|r| r.tensor.bytes_mut()).collect();
         if self.comm.cma.is_some() || op == ReduceOp::Adasum {
             // Ranks of one host reduce the tensors where they lie: no fusion copy. Adasum
             // combines tensor by tensor, so it takes the tensors as a group too.
-            group_in_place(&mut self.comm, dtype, op, &mut batch)?;
+            fusion::group_in_place(&mut self.comm, dtype, op, tensors)?;
             self.trace(&batch, "ALLREDUCE_FUSED_IN_PLACE", start);
-            for r in batch {
-                r.reply.send(Ok(r.tensor.into_any()));
-            }
-            return Ok(());
-        }
-        let total: usize = batch.iter().map(|r| r.tensor.bytes().len()).sum();
-        let words = total.div_ceil(8);
-        if self.fusion.len() < words {
-            // Grown once to the largest batch so far, rounded up to limit regrowth.
-            let grown = words.next_power_of_two().max(words);
-            self.fusion = HugeBuffer::zeroed(grown).map_err(|source| CommError::Io {
-                context: format!("allocating a fusion buffer of {} bytes", grown * 8),
-                source,
-            })?;
-        }
-        {
-            let buf: &mut [u8] = bytemuck::cast_slice_mut(&mut self.fusion[..]);
-            let mut at = 0;
-            for r in &batch {
-                let b = r.tensor.bytes();
-                buf[at..at + b.len()].copy_from_slice(b);
-                at += b.len();
+        } else {
+            let mut phases: Vec<(&'static str, Instant, Instant)> = Vec::with_capacity(3);
+            self.fusion
+                .allreduce(&mut self.comm, dtype, op, &mut tensors, |phase, since| {
+                    phases.push((phase, since, Instant::now()));
+                })?;
+            if let Some(t) = self.timeline() {
+                let args = format!("\"fused\":{}", batch.len());
+                for (phase, from, to) in phases {
+                    for r in &batch {
+                        t.span(&r.name, phase, from, to, &args);
+                    }
+                }
             }
         }
-        self.trace(&batch, "MEMCPY_IN_FUSION_BUFFER", start);
-        let start = Instant::now();
-        reduce_bytes(&mut self.comm, dtype, op, &mut self.fusion[..words], total)?;
-        self.trace(&batch, "ALLREDUCE", start);
-        let start = Instant::now();
-        let buf: &[u8] = bytemuck::cast_slice(&self.fusion[..]);
-        let mut at = 0;
-        for r in &mut batch {
-            let b = r.tensor.bytes_mut();
-            let len = b.len();
-            b.copy_from_slice(&buf[at..at + len]);
-            at += len;
-        }
-        self.trace(&batch, "MEMCPY_OUT_FUSION_BUFFER", start);
         for r in batch {
             r.reply.send(Ok(r.tensor.into_any()));
         }
         Ok(())
     }
-}
-
-/// Calls the generic `f::<T>(args)` for the element type `T` of a runtime `DType`.
-macro_rules! by_dtype {
-    ($dtype:expr, $f:ident($($arg:expr),*)) => {
-        match $dtype {
-            DType::U8 => $f::<u8>($($arg),*),
-            DType::I32 => $f::<i32>($($arg),*),
-            DType::I64 => $f::<i64>($($arg),*),
-            DType::F16 => $f::<half::f16>($($arg),*),
-            DType::BF16 => $f::<half::bf16>($($arg),*),
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-        }
-    };
 }
 
 /// An allreduce of zeros shaped as `sig` says, whose result nobody waits for: a joined rank's
@@ -1616,7 +1253,7 @@ fn zero_request(sig: &Sig) -> Option<Request> {
     }
     let op = ReduceOp::from_tag(u8::try_from(sig.param).ok()?)?;
     let count = usize::try_from(sig.count).ok()?;
-    let dtype = DType::from_tag(sig.dtype)?;
+    let dtype = sig.dtype;
     let (reply, _) = mpsc::channel();
     let reply = Reply::Channel(reply);
     Some(Request {
@@ -1628,116 +1265,9 @@ fn zero_request(sig: &Sig) -> Option<Request> {
     })
 }
 
-/// Allreduces a batch of tensors of one `dtype` as one grouped allreduce on their own memory.
-fn group_in_place(
-    comm: &mut Communicator,
-    dtype: DType,
-    op: ReduceOp,
-    batch: &mut [Request],
-) -> Result<()> {
-    fn typed<T: Element>(
-        comm: &mut Communicator,
-        op: ReduceOp,
-        batch: &mut [Request],
-    ) -> Result<()> {
-        // A batch holds one dtype, so every tensor's bytes are `T`s, aligned as `T`.
-        let mut slices: Vec<&mut [T]> = batch
-            .iter_mut()
-            .map(|r| bytemuck::try_cast_slice_mut::<u8, T>(r.tensor.bytes_mut()))
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|e| CommError::InvalidArgument {
-                op: "allreduce",
-                detail: format!("a fused tensor is not a slice of {}: {e}", T::DTYPE),
-            })?;
-        comm.grouped_allreduce(&mut slices, op)
-    }
-    by_dtype!(dtype, typed(comm, op, batch))
-}
-
-/// Allreduces the first `bytes` of an 8-byte-aligned buffer as elements of `dtype`.
-fn reduce_bytes(
-    comm: &mut Communicator,
-    dtype: DType,
-    op: ReduceOp,
-    buf: &mut [u64],
-    bytes: usize,
-) -> Result<()> {
-    fn typed<T: Element>(comm: &mut Communicator, op: ReduceOp, raw: &mut [u8]) -> Result<()> {
-        comm.allreduce(bytemuck::cast_slice_mut::<u8, T>(raw), op)
-    }
-    let raw = &mut bytemuck::cast_slice_mut::<u64, u8>(buf)[..bytes];
-    by_dtype!(dtype, typed(comm, op, raw))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn sig(name: &str, count: u64) -> Sig {
-        Sig {
-            name: name.into(),
-            dtype: 6,
-            kind: 0,
-            param: 1,
-            count,
-        }
-    }
-
-    #[test]
-    fn announcements_round_trip() {
-        let a = Announce {
-            stopping: true,
-            joined: true,
-            clock_ms: 42,
-            ops: vec![
-                Entry::Full(sig("grad/0", 1000)),
-                Entry::Cached(7),
-                Entry::Full(sig("é", 0)),
-            ],
-            setting: Some((
-                Setting {
-                    fusion_bytes: 3 << 20,
-                    cycle: Duration::from_micros(2500),
-                    cache: false,
-                    hierarchical_allreduce: true,
-                    hierarchical_allgather: false,
-                },
-                true,
-            )),
-        };
-        let b = a.encode();
-        assert_eq!(Announce::decode(&b), Some((a.clone(), b.len())));
-        assert_eq!(Announce::decode(&a.encode()[..5]), None);
-        // A cached op costs 5 bytes instead of 44 (its name and shape).
-        let cached = Announce {
-            ops: vec![Entry::Cached(3)],
-            ..Announce::default()
-        };
-        let full = Announce {
-            ops: vec![Entry::Full(sig("layer4.2.conv3.weight", 1000))],
-            ..Announce::default()
-        };
-        assert_eq!(cached.encode().len() + 39, full.encode().len());
-    }
-
-    #[test]
-    fn the_cache_evicts_the_op_agreed_least_recently() {
-        let mut c = Cache::new(2);
-        c.record(&sig("a", 1));
-        c.record(&sig("b", 1));
-        c.record(&sig("a", 1)); // a is now newer than b
-        c.record(&sig("c", 1)); // evicts b, takes its id
-        assert_eq!(c.entry(sig("a", 1)), Entry::Cached(0));
-        assert_eq!(c.entry(sig("c", 1)), Entry::Cached(1));
-        assert_eq!(c.entry(sig("b", 1)), Entry::Full(sig("b", 1)));
-        // Another shape of a known name is another op.
-        assert_eq!(c.entry(sig("a", 2)), Entry::Full(sig("a", 2)));
-        assert_eq!(c.get(1), Some(&sig("c", 1)));
-        assert_eq!(c.get(2), None);
-        let mut off = Cache::new(0);
-        off.record(&sig("a", 1));
-        assert_eq!(off.entry(sig("a", 1)), Entry::Full(sig("a", 1)));
-    }
 
     #[test]
     fn a_world_of_one_reduces_at_once() {

@@ -18,7 +18,9 @@
 //! - `pipeline`: the segment engine of the ring algorithms;
 //! - `comm`, `ops`: the communicator and its collectives;
 //! - `adasum`: Horovod's adaptive summation, an allreduce op of its own;
-//! - `engine`: the background engine (named async ops, fusion, the stall check);
+//! - `engine`: the background engine (named async ops), run in cycles of `negotiation` (what
+//!   every rank has pending, agreed the same everywhere), `fusion` (allreduces reduced as few
+//!   large ones) and the `stall` check;
 //! - `autotune`: the engine's knobs tuned on the running job by Bayesian optimisation.
 //!
 //! # Example
@@ -41,12 +43,15 @@ mod connect;
 mod dtype;
 mod engine;
 mod error;
+mod fusion;
 mod hier_gather;
 mod link;
 mod mailbox;
+mod negotiation;
 mod ops;
 mod pages;
 mod pipeline;
+mod stall;
 mod timeline;
 mod wire;
 

@@ -13,8 +13,8 @@ const MAGIC: u32 = 0x4856_4443; // "HVDC"
 /// Encoded size of a [`Descriptor`].
 pub const DESCRIPTOR_LEN: usize = 48;
 
-/// Which collective a descriptor announces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which collective a descriptor announces; the engine's negotiation names ops by the same tag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Kind {
     /// Allreduce (and grouped allreduce, with `row_len` = the number of tensors).
@@ -35,7 +35,8 @@ pub enum Kind {
 }
 
 impl Kind {
-    fn from_tag(tag: u8) -> Option<Self> {
+    /// The collective a tag names; `None` for an unknown tag.
+    pub(crate) fn from_tag(tag: u8) -> Option<Self> {
         Some(match tag {
             1 => Self::Allreduce,
             2 => Self::Allgather,
@@ -62,7 +63,7 @@ impl Kind {
     }
 
     /// Whether `count` is per rank (allgather rows, alltoall split) rather than agreed by all.
-    fn count_is_per_rank(self) -> bool {
+    pub(crate) fn count_is_per_rank(self) -> bool {
         matches!(self, Self::Allgather | Self::Alltoall)
     }
 }
