@@ -41,6 +41,7 @@ COMMIT_EVERY=10
 STEP_MS=20
 SETTLE_STEPS=40       # rank-0 steps to see at each expected size before the next event
 WAIT_TIMEOUT=20       # seconds to wait for each expected size
+START_TIMEOUT=60      # the same for the first round, which waits for the workers' imports too
 FINISH_TIMEOUT=90     # seconds to wait for horovodrun to end after the last event
 EXPECTED_SIZES="4 6 4 2 4"
 
@@ -143,12 +144,14 @@ pump() {
     shown=$n
 }
 
-# await SIZE DESCRIPTION: waits until rank 0 has printed SETTLE_STEPS step lines at world size
-# SIZE after line $mark of the stdout log. Returns 1 on timeout, 2 when horovodrun has ended.
+# await SIZE DESCRIPTION [TIMEOUT]: waits until rank 0 has printed SETTLE_STEPS step lines at
+# world size SIZE after line $mark of the stdout log, at most TIMEOUT seconds (WAIT_TIMEOUT).
+# Returns 1 on timeout, 2 when horovodrun has ended.
 mark=0
 problems=()
 await() {
-    local size=$1 what=$2 deadline=$(( SECONDS + WAIT_TIMEOUT )) res count last
+    local size=$1 what=$2 timeout=${3:-$WAIT_TIMEOUT} res count last
+    local deadline=$(( SECONDS + timeout ))
     while :; do
         pump
         res=$(LC_ALL=C awk -v m="$mark" -v s="$size" '
@@ -168,8 +171,8 @@ await() {
             return 2
         fi
         if (( SECONDS >= deadline )); then
-            problems+=("timed out after ${WAIT_TIMEOUT}s waiting for $what (size $size; saw $count steps)")
-            echo "   !! timed out after ${WAIT_TIMEOUT}s waiting for $what (size $size; saw $count steps)"
+            problems+=("timed out after ${timeout}s waiting for $what (size $size; saw $count steps)")
+            echo "   !! timed out after ${timeout}s waiting for $what (size $size; saw $count steps)"
             return 1
         fi
         sleep 0.1
@@ -222,7 +225,7 @@ hvd_pid=$!
 
 banner "start: on-demand fleet 127.0.0.2:2 + 127.0.0.3:2, expecting size 4"
 set_mark
-await 4 "the first round" && ok=0 || ok=$?
+await 4 "the first round" "$START_TIMEOUT" && ok=0 || ok=$?
 
 if (( ok != 2 )); then
     banner "(a) new spot host 127.0.0.4:2 appears (scale-up 4 → 6)"
