@@ -71,6 +71,28 @@ pub async fn failing(pid: i32) -> i32 {
     }
 }
 
+/// Waits for child `pid` (the process of `child`) until it either ends (`None`: its `wait`
+/// now answers at once) or begins to die of a failure, whichever comes first: then its wait
+/// status, and what is left of its process group is given the lowest priority
+/// ([`yield_cores`]). The one place a launcher races a child's `wait` against its death.
+pub async fn ended_or_failing(
+    child: &mut tokio::process::Child,
+    pid: Option<i32>,
+) -> Option<std::process::ExitStatus> {
+    use std::os::unix::process::ExitStatusExt;
+    let Some(pid) = pid else {
+        let _ = child.wait().await;
+        return None;
+    };
+    let status = tokio::select! {
+        biased;
+        _ = child.wait() => return None,
+        status = failing(pid) => status,
+    };
+    yield_cores(pid);
+    Some(std::process::ExitStatus::from_raw(status))
+}
+
 /// One process being watched.
 struct Watched {
     probe: Probe,

@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
-use std::process::{ExitStatus, Stdio};
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -791,13 +791,7 @@ fn start(
     tokio::spawn(async move {
         // A failure is told as soon as the process starts dying: its memory may take longer
         // to free than the job takes to re-form without it.
-        let dying = tokio::select! {
-            biased;
-            _ = child.wait() => None,
-            status = dying::failing(pid) => Some(ExitStatus::from_raw(status)),
-        };
-        if let Some(st) = dying {
-            dying::yield_cores(pid);
+        if let Some(st) = dying::ended_or_failing(&mut child, Some(pid)).await {
             tracing::info!(id, pid, code = ?st.code(), signal = ?st.signal(), "process is dying");
             out.send(FromAgent::Dying {
                 id,

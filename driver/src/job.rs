@@ -600,23 +600,10 @@ impl Launcher {
         }
         let exits = self.exits.clone();
         tokio::spawn(async move {
-            let failing = async {
-                match pid {
-                    Some(pid) => hvd_agent::dying::failing(pid).await,
-                    None => std::future::pending().await,
-                }
-            };
             // A failure is reported as soon as the worker starts dying; its wait follows
             // once the kernel has freed its memory.
-            let early = tokio::select! {
-                biased;
-                _ = child.wait() => None,
-                status = failing => Some(ExitStatus::from_raw(status)),
-            };
+            let early = hvd_agent::dying::ended_or_failing(&mut child, pid).await;
             if let Some(status) = early {
-                if let Some(pid) = pid {
-                    hvd_agent::dying::yield_cores(pid);
-                }
                 tracing::debug!(worker = id, %status, "worker is dying");
                 let _ = exits
                     .send(Exit {
