@@ -6,6 +6,7 @@
 
 #![deny(unsafe_code)]
 
+mod dlpack;
 mod graph_op;
 mod memory;
 
@@ -124,6 +125,30 @@ fn allreduce_(py: Python<'_>, address: usize, count: usize, dtype: &str, op: &st
     let op = op_from(op)?;
     let region = Region::new(address, count, DType::parse(dtype)?)?;
     world_call(py, || Ok(region.with_mut(|buf| buf.allreduce(op))?))
+}
+
+/// Reduces a copy of the CPU tensor that a framework exported as the DLPack `capsule` across
+/// all ranks, and returns the result as a capsule for the framework's `from_dlpack`: the
+/// eager path of `hvd.tensorflow.allreduce`, one call from tensor to tensor. `None`, with
+/// nothing sent, for a tensor to take the general way (on another device, of an element
+/// type hvd does not reduce, or strided).
+#[pyfunction]
+fn allreduced<'py>(
+    py: Python<'py>,
+    capsule: &Bound<'py, PyAny>,
+    op: &str,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let op = op_from(op)?;
+    let Some(input) = dlpack::Exported::read(capsule)? else {
+        return Ok(None);
+    };
+    let out = dlpack::Output::new(input.region.dtype(), input.shape.clone())?;
+    let (from, to) = (&input.region, out.region()?);
+    world_call(py, || {
+        from.copy_to(&to).map_err(GatherError::Shape)?;
+        Ok(to.with_mut(|buf| buf.allreduce(op))?)
+    })?;
+    out.into_capsule(py).map(Some)
 }
 
 /// Runs a synchronous collective. When it meets ranks that joined (Horovod's `join`) while
@@ -822,6 +847,7 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(alltoall_async, m)?)?;
     m.add_function(wrap_pyfunction!(reducescatter_async, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduced, m)?)?;
     m.add_function(wrap_pyfunction!(count_step, m)?)?;
     m.add_function(wrap_pyfunction!(newest_update, m)?)?;
     m.add_function(wrap_pyfunction!(sync_plan, m)?)?;

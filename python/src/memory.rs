@@ -1,5 +1,5 @@
-//! Tensor memory handed over by address and length: with [`crate::graph_op`]'s entry point, the
-//! package's only `unsafe`.
+//! Tensor memory handed over by address and length: with [`crate::graph_op`]'s entry point and
+//! [`crate::dlpack`]'s capsules, the package's only `unsafe`.
 //!
 //! `hvd.torch` passes a contiguous CPU tensor's `data_ptr()`, `numel()` and dtype, and holds a
 //! reference to the tensor for the whole call, so the memory lives until the call returns. The
@@ -160,6 +160,20 @@ impl Region {
     /// The region's element type.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Copies the region's bytes over `to`'s, a region of the same type and size.
+    pub fn copy_to(&self, to: &Region) -> Result<(), String> {
+        if to.dtype != self.dtype || to.count != self.count {
+            return Err("a copy between tensors of different types or sizes".into());
+        }
+        let bytes = self.count * self.dtype.size();
+        if bytes > 0 {
+            // SAFETY: both are live regions of `bytes` bytes (`new` checked them, their owners
+            // keep them allocated for the call); `copy` allows them to overlap.
+            unsafe { std::ptr::copy(self.address as *const u8, to.address as *mut u8, bytes) }
+        }
+        Ok(())
     }
 
     /// The region's number of elements.

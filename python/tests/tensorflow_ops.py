@@ -141,6 +141,21 @@ def check_allreduce(r, n):
     same = tf.constant([1.0, -2.0, 3.0], tf.float64)
     for got in both(lambda t: hvd.allreduce(t, op=hvd.Adasum), same):
         assert np.allclose(got.numpy(), same.numpy()), got
+    # The eager call's own path, one native call with DLPack both ways: every reducible
+    # type takes it, in every shape, and its result owns fresh memory that TensorFlow's
+    # kernels can read; what it cannot take goes the general way.
+    for i, dtype in enumerate(DTYPES):
+        for shape in ([], [0], [2, 3], [1, 4, 1]):
+            x = tf.reshape(tf.cast(tf.range(int(np.prod(shape))) % 3, dtype), shape)
+            got = buffers.allreduced(x, hvd.Sum)
+            assert got is not None and got.dtype == dtype and got.shape == shape, (dtype, got)
+            assert close(got, reference([x] * n, "sum", dtype)), (dtype, shape, got)
+            assert not shape or 0 in shape or got._numpy().ctypes.data % 64 == 0
+            assert tf.reduce_all(x == tf.reshape(tf.cast(tf.range(int(np.prod(shape))) % 3,
+                                                         dtype), shape)), "input changed"
+            cases += 1
+    for other in (tf.constant([1], tf.int8), tf.constant(["a"]), tf.constant([True])):
+        assert buffers.allreduced(other, hvd.Sum) is None, other.dtype
     # Inputs that live in an eager tensor's memory come back as tensors over hvd's arrays.
     out, at = buffers._arrays.aligned((3,), np.float32)
     assert buffers.tensor_of(out, aligned=True)._numpy().ctypes.data == at

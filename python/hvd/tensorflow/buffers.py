@@ -9,6 +9,10 @@ where it can be built (``hvd.tensorflow.graph_ops``).
 
 Copies, measured on TensorFlow 2.21 (CPU):
 
+- the eager allreduce of a CPU tensor (``allreduced``) is one native call: the tensor goes in
+  as TensorFlow's DLPack export of its buffer and comes back as a capsule over the memory the
+  native module reduced a copy of its input in.
+
 - in: none. ``EagerTensor._numpy()`` is a view of the tensor's buffer (``numpy()`` would
   copy it); a ``tf.numpy_function`` hands its kernel views of its inputs likewise. Kernels
   never write into them.
@@ -30,6 +34,7 @@ Copies, measured on TensorFlow 2.21 (CPU):
 import numpy as _np
 import tensorflow as tf
 
+from hvd import _hvd
 from hvd._hvd import HorovodInternalError, HostsUpdatedInterrupt
 from hvd.common import arrays as _arrays
 from hvd.common.basics import Adasum
@@ -37,6 +42,7 @@ from hvd.common.basics import Adasum
 # The element types hvd's collectives reduce.
 REDUCIBLE = ("uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 _REDUCIBLE_TF = frozenset(tf.as_dtype(n) for n in REDUCIBLE)
+_REDUCIBLE_ENUMS = frozenset(d.as_datatype_enum for d in _REDUCIBLE_TF)
 # numpy's ``dtype.name`` builds its string anew on every call: looked up here instead.
 _NAMES = {_np.dtype(tf.as_dtype(n).as_numpy_dtype): n for n in REDUCIBLE}
 
@@ -131,6 +137,35 @@ def tensor_of(array, aligned=False):
         return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
     except Exception:  # noqa: BLE001 (an element type DLPack lacks: copied)
         return tf.convert_to_tensor(array)
+
+
+try:
+    from tensorflow.python import pywrap_tfe as _tfe
+    from tensorflow.python.eager import context as _context
+
+    _to_dlpack = _tfe.TFE_ToDlpackCapsule
+
+    def _from_dlpack(capsule):
+        # ``tf.experimental.dlpack.from_dlpack`` without its Python layer.
+        ctx = _context.context()
+        ctx.ensure_initialized()
+        return _tfe.TFE_FromDlpackCapsule(capsule, ctx._handle)
+except (ImportError, AttributeError):  # pragma: no cover (a TensorFlow that moved them)
+    _to_dlpack = tf.experimental.dlpack.to_dlpack
+    _from_dlpack = tf.experimental.dlpack.from_dlpack
+
+
+def allreduced(tensor, op):
+    """The eager allreduce of a CPU ``EagerTensor`` in one native call: its memory read
+    through DLPack, reduced in a copy that becomes the result through DLPack (no copy in
+    or out); None, with nothing sent, where it takes the general way (a device other than
+    the CPU, an element type DLPack or hvd lacks)."""
+    # TensorFlow aborts the process on exporting what is not plain memory (strings): only
+    # the element types hvd reduces are exported.
+    if tensor._datatype_enum() not in _REDUCIBLE_ENUMS:
+        return None
+    out = _hvd.allreduced(_to_dlpack(tensor), op.name)
+    return None if out is None else _from_dlpack(out)
 
 
 def native(array):

@@ -136,6 +136,14 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='',
     signature: hvd reduces in host memory. Differentiable: the gradient is the same
     allreduce of the output's gradient."""
     op = _op_of(average, op)
+    if type(tensor) is _EagerTensor and compression is NoneCompressor and \
+            process_set is global_process_set and prescale_factor == 1.0 and \
+            postscale_factor == 1.0 and op is not Adasum and _buf.direct():
+        # The common eager call, tensor to tensor in one native call (DLPack both ways);
+        # None for what takes the general way (another device or element type).
+        out = _buf.allreduced(tensor, op)
+        if out is not None:
+            return out
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, op, prescale_factor, postscale_factor, process_set,
                                  ignore_name_scope)
