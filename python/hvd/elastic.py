@@ -21,7 +21,6 @@ A framework's state says only how its objects are saved, restored and broadcast
 import copy
 import functools
 import sys
-import threading
 
 from hvd import _hvd
 from hvd._hvd import HorovodInternalError, HostsUpdatedInterrupt
@@ -213,54 +212,20 @@ def run(func):
                 _hvd.stop_engine()
             except HorovodInternalError:
                 pass  # stopped all the same: a broken round's engine ends with an error
-            # The next round forms on a thread (in Rust, without the GIL) while this one
-            # rolls the state back: the rejoin starts at once.
-            rejoin = _Background(lambda: _rejoined(reason))
+            # The next round forms on a thread of the native module's (which needs no GIL)
+            # while this one rolls the state back: the rejoin starts at once.
+            rejoin = _hvd.rejoin_start(reason)
             try:
                 if failed:
                     state.restore()
             finally:
-                removed = rejoin.join()
+                removed = rejoin.wait()
             if removed is not None:
                 print(f"hvd: removed from the job ({removed}); exiting", file=sys.stderr)
                 sys.exit(0)
             reset = True
 
     return wrapper
-
-
-def _rejoined(reason):
-    """Joins the driver's next round; the driver's reason when it has no place for this
-    worker any more, else None."""
-    while True:
-        try:
-            return _hvd.rejoin(reason)
-        except HorovodInternalError:
-            continue  # a peer died while the new round connected: the next one
-
-
-class _Background:
-    """``work()`` on a thread of its own; ``join()`` waits for it and returns what it
-    returned, or raises what it raised."""
-
-    def __init__(self, work):
-        self._error = None
-        self._result = None
-
-        def run_it():
-            try:
-                self._result = work()
-            except BaseException as e:  # noqa: BLE001 (raised again by join)
-                self._error = e
-
-        self._thread = threading.Thread(target=run_it, name="hvd-rejoin", daemon=True)
-        self._thread.start()
-
-    def join(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
 
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",

@@ -546,17 +546,60 @@ fn reducescatter_async(
     produce(address, count, dtype, Produce::Reducescatter(op), name)
 }
 
-/// Leaves the current round and joins the driver's next one (elastic jobs), stopping the
-/// background engine of the old round first. Returns `None`, or the driver's reason when it
-/// has no place for this worker any more (which then exits 0).
-#[pyfunction]
-fn rejoin(py: Python<'_>, reason: &str) -> PyResult<Option<String>> {
-    let joined = py.detach(|| stop_engine().and_then(|()| hvd::elastic::steps::rejoin(reason)));
-    match joined {
-        Ok(()) => Ok(None),
-        Err(Error::Removed { reason }) => Ok(Some(reason)),
-        Err(e) => Err(raise(e)),
+/// Leaving the current round and joining the driver's next one (elastic jobs), stopping the
+/// background engine of the old round first, on a thread of its own (`rejoin_start`): the
+/// next round forms while Python rolls the state back, and needing no GIL, the thread cannot
+/// be held up by the rollback.
+#[pyclass(module = "hvd._hvd")]
+struct Rejoining {
+    done: Mutex<Option<std::sync::mpsc::Receiver<Result<(), Error>>>>,
+}
+
+#[pymethods]
+impl Rejoining {
+    /// Waits for the rejoin: `None`, or the driver's reason when it has no place for this
+    /// worker any more; an error that no next round mends is raised.
+    fn wait(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        let rx = self
+            .done
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("this rejoin was already waited for"))?;
+        let joined = py
+            .detach(move || rx.recv())
+            .map_err(|_| PyRuntimeError::new_err("the rejoin's thread ended without an answer"))?;
+        match joined {
+            Ok(()) => Ok(None),
+            Err(Error::Removed { reason }) => Ok(Some(reason)),
+            Err(e) => Err(raise(e)),
+        }
     }
+}
+
+/// Starts the rejoin on its thread, trying again while a peer dies as the new round
+/// connects; `wait()` on the result gives the outcome.
+#[pyfunction]
+fn rejoin_start(reason: String) -> PyResult<Rejoining> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("hvd-rejoin".into())
+        .spawn(move || {
+            let joined = stop_engine().and_then(|()| {
+                loop {
+                    match hvd::elastic::steps::rejoin(&reason) {
+                        Err(e) if Raised::of(&e) == Raised::Internal => continue,
+                        done => break done,
+                    }
+                }
+            });
+            // Nobody waiting any more is no error: the worker is on its way out.
+            let _ = tx.send(joined);
+        })
+        .map_err(|e| PyRuntimeError::new_err(format!("cannot start the rejoin's thread: {e}")))?;
+    Ok(Rejoining {
+        done: Mutex::new(Some(rx)),
+    })
 }
 
 /// Stops the background engine, if it runs, so that no op of a failed round writes into a
@@ -858,6 +901,7 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(broadcast_async_, m)?)?;
     m.add_class::<AsyncHandle>()?;
     m.add_class::<OutputHandle>()?;
+    m.add_class::<Rejoining>()?;
     for f in [
         wrap_pyfunction!(add_process_set, m)?,
         wrap_pyfunction!(remove_process_set, m)?,
@@ -867,7 +911,7 @@ fn _hvd(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(allgather_into, m)?,
         wrap_pyfunction!(alltoall_into, m)?,
         wrap_pyfunction!(reducescatter_into, m)?,
-        wrap_pyfunction!(rejoin, m)?,
+        wrap_pyfunction!(rejoin_start, m)?,
         wrap_pyfunction!(generation, m)?,
         wrap_pyfunction!(report_synced, m)?,
         wrap_pyfunction!(updates_through, m)?,

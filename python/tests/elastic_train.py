@@ -23,6 +23,10 @@ def main():
     p.add_argument("--state-model", default=None,
                    help="a torchvision model (with SGD momentum state) to keep in the "
                         "TorchState besides the counter, to time recovery with a real state")
+    p.add_argument("--train-state-model", action="store_true",
+                   help="step the state model's optimizer at every step, writing every tensor "
+                        "of it (its gradients are zero, so its values stay), where it is "
+                        "otherwise held unchanged")
     args = p.parse_args()
     counter.start()
     hvd.init()
@@ -68,6 +72,8 @@ def main():
             opt.zero_grad()
             model(torch.ones(1, 1)).sum().backward()
             opt.step()
+            if args.train_state_model and args.state_model:
+                extra["big_optimizer"].step()
             counter.stepped(state, rank, size)
             counter.commit_or_check(state, args, rank)
         return rank, size

@@ -1,7 +1,8 @@
 """``TorchState``'s commit and rollback, in one process: what was written since a commit is
 rolled back exactly, whatever way it was written (in place, by an optimizer step, by
 replacing a parameter's data, by changing the optimizer's layout or hyperparameters), and
-the live tensors never share memory with the copy a rollback returns to. The native copy
+no write to a live tensor reaches the copy a rollback returns to, also after a rollback that
+handed copy-on-write clones of it over. The native copy
 that commits and rollbacks use gives every byte of every region, on one thread or split
 across several (a region larger than a thread's share is split between threads).
 """
@@ -81,6 +82,58 @@ def main():
     torch.manual_seed(1)
     step(model, opt)
     assert same(snapshot(model, opt), after), "a rollback left the optimizer elsewhere"
+
+    # A rollback copies what an in-place operator wrote since the commit back into its own
+    # memory; a tensor nothing wrote in place since one commit shares the copy's memory as a
+    # copy-on-write clone from the next, which commits and rollbacks skip. Writes of every
+    # kind to a clone (numpy, .data, an in-place operator, an optimizer step) never reach the
+    # copy: every rollback returns to the commit.
+    cow = torch._C._is_cow_tensor
+    state.commit()
+    committed = snapshot(model, opt)
+    step(model, opt)
+    state.restore()
+    assert same(snapshot(model, opt), committed)
+    assert not cow(model[0].weight), "a trained weight was handed a clone, not copied back"
+    state.commit()
+    state.commit()
+    assert cow(frozen.weight) and cow(frozen.bias), "an unchanged tensor is copied at every commit"
+    frozen_committed = {k: v.clone() for k, v in frozen.state_dict().items()}
+    committed = snapshot(model, opt)
+    frozen.weight.detach().numpy()[0, 0] = 123.0
+    frozen.bias.data[0] = 55.0
+    state.restore()
+    assert same(frozen.state_dict(), frozen_committed), "a write to a clone reached the copy"
+    assert same(snapshot(model, opt), committed)
+    # Rolled back without an in-place write since the commit, the model and optimizer get
+    # clones too; a second rollback after writes of every kind returns to the commit.
+    state.restore()
+    assert cow(model[0].weight) and cow(opt.state[model[0].weight]["exp_avg"])
+    model[0].weight.detach().numpy()[0, 0] = 123.0
+    model[0].bias.data[0] = 55.0
+    with torch.no_grad():
+        model[2].weight.mul_(2.0)
+    opt.state[model[0].weight]["exp_avg"].numpy()[0, 0] = 9.0
+    step(model, opt)
+    state.restore()
+    assert same(snapshot(model, opt), committed), "a write after a rollback reached the commit"
+    state.commit()
+    assert same(snapshot(model, opt), committed)
+    with torch.no_grad():
+        frozen.weight.add_(1.0)
+    step(model, opt)
+    state.restore()
+    assert same(snapshot(model, opt), committed), "a commit after a rollback lost the commit"
+    assert same(frozen.state_dict(), frozen_committed)
+    # A buffer that is a view of other memory is written back in place: it stays a view.
+    holder = torch.nn.Module()
+    base = torch.zeros(4)
+    holder.register_buffer("part", base[1:3])
+    viewed = hvd.elastic.TorchState(model=holder)
+    with torch.no_grad():
+        holder.part.add_(5.0)
+    viewed.restore()
+    assert holder.part._base is base and torch.equal(base, torch.zeros(4)), base
 
     # State the commit did not have (Adam's moments, created by the first step after it)
     # is dropped by the rollback, as a load of the committed state_dict drops it.

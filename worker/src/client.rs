@@ -98,6 +98,9 @@ pub(crate) struct Inbox {
     /// The reader reconnects to a driver when its connection drops (a state store's job).
     redial: AtomicBool,
     aborts: Mutex<Aborts>,
+    /// Called with a round the driver aborted and why, once its communicators are failed
+    /// (elastic jobs: the worker starts joining the next round at once).
+    pub on_abort: std::sync::OnceLock<fn(u64, &str)>,
 }
 
 /// The communicators of this worker's newest round, and the newest round the driver aborted.
@@ -588,6 +591,9 @@ fn spawn_reader(mut reader: BufReader<TcpStream>, r: Reader) {
                             // A failed write means the driver is gone: the read ends next.
                             let _ = send(&answer, &seen);
                             inbox.abort(generation, &reason);
+                            if let Some(on_abort) = inbox.on_abort.get() {
+                                on_abort(generation, &reason);
+                            }
                         }
                         Ok(DriverMsg::Ping) => {
                             // Answered from this thread, so a long training step never looks

@@ -105,6 +105,41 @@ struct Context {
     timeline: Arc<Timeline>,
     /// Process sets of this round.
     sets: process_set::Sets,
+    /// The rejoin the driver's abort of this round started, before the program noticed.
+    early: Option<Arc<EarlyRejoin>>,
+}
+
+/// A round joined and connected, or why not.
+type Joined = Result<(Topology, Communicator)>;
+
+/// A rejoin started when the driver aborted the worker's round ([`rejoin_early`]): the next
+/// round forms while the program finishes what it computes, and its next collective fails
+/// until [`rejoin`] takes the new round over.
+#[derive(Default)]
+struct EarlyRejoin {
+    done: Mutex<Option<(Joined, std::time::Instant)>>,
+    ready: std::sync::Condvar,
+}
+
+impl EarlyRejoin {
+    fn finish(&self, result: Joined, started: std::time::Instant) {
+        *self.done.lock().unwrap_or_else(PoisonError::into_inner) = Some((result, started));
+        self.ready.notify_all();
+    }
+
+    /// The new round, or why joining it failed, and when the rejoin started.
+    fn wait(&self) -> (Joined, std::time::Instant) {
+        let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if let Some(d) = done.take() {
+                return d;
+            }
+            done = self
+                .ready
+                .wait(done)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
 }
 
 static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
@@ -149,6 +184,7 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
             sync_seq: 0,
             timeline: open_timeline(env, 0),
             sets: process_set::Sets::default(),
+            early: None,
         });
         return Ok(());
     };
@@ -172,6 +208,10 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
         peers: Vec::new(),
     };
     let (topology, comm) = enter(&mut session, round)?;
+    if session.launch.elastic {
+        // Set once per client: a second `init` after `shutdown` has a client of its own.
+        let _ = session.client.inbox.on_abort.set(rejoin_early);
+    }
     let timeline = open_timeline(env, topology.rank);
     *ctx = Some(Context {
         topology,
@@ -182,6 +222,7 @@ pub fn init_from(env: &dyn Env) -> Result<()> {
         sync_seq: 0,
         timeline,
         sets: process_set::Sets::default(),
+        early: None,
     });
     Ok(())
 }
@@ -311,35 +352,31 @@ fn enter(session: &mut Session, mut round: client::Round) -> Result<(Topology, C
     }
 }
 
-/// Leaves the current communicator and joins the driver's next round (elastic jobs). The
-/// context lock is not held while waiting, so collectives called meanwhile from other threads
-/// fail with [`Error::MembershipChanging`] instead of blocking.
+/// Leaves the current communicator and joins the driver's next round (elastic jobs), or
+/// takes over the round a rejoin started by the driver's abort joined meanwhile. The context
+/// lock is not held while waiting, so collectives called meanwhile from other threads fail
+/// with [`Error::MembershipChanging`] instead of blocking.
 pub(crate) fn rejoin(reason: &str) -> Result<()> {
-    let started = std::time::Instant::now();
-    let (mut session, timeline) = {
-        let mut ctx = context();
-        let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
-        c.comm = None;
-        // An engine on the old communicator fails its ops from now on; the new round's
-        // communicator serves the synchronous collectives.
-        c.engine_active = false;
-        c.submitter = None;
-        let s = c.session.take().ok_or(Error::NotElastic)?;
-        (s, c.timeline.clone())
+    let early = context().as_mut().and_then(|c| c.early.take());
+    let (result, started) = match early {
+        Some(early) => early.wait(),
+        None => {
+            let started = std::time::Instant::now();
+            let session = {
+                let mut ctx = context();
+                leave_round(ctx.as_mut().ok_or(Error::NotInitialized)?)?
+            };
+            (join_round(session, reason), started)
+        }
     };
-    let result = session
-        .client
-        .join(session.generation, reason)
-        .and_then(|round| enter(&mut session, round));
     let mut ctx = context();
     let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
-    let generation = session.generation;
-    c.session = Some(session);
-    if timeline.is_active() {
+    let generation = c.session.as_ref().map_or(0, |s| s.generation);
+    if c.timeline.is_active() {
         let outcome = if result.is_ok() { "joined" } else { "failed" };
         let args =
             format!("\"generation\":{generation},\"reason\":{reason:?},\"outcome\":\"{outcome}\"");
-        timeline.span(
+        c.timeline.span(
             "elastic",
             "RENDEZVOUS_AND_RING_REBUILD",
             started,
@@ -354,6 +391,63 @@ pub(crate) fn rejoin(reason: &str) -> Result<()> {
     c.sets.disconnect();
     tracing::debug!(generation, "rejoined");
     Ok(())
+}
+
+/// Takes the session out of the context for a rejoin: from now on no collective runs on the
+/// old round's communicator (an engine on it fails its ops), and collectives fail with
+/// [`Error::MembershipChanging`] until the new round's is in place.
+fn leave_round(c: &mut Context) -> Result<Session> {
+    let session = c.session.take().ok_or(Error::NotElastic)?;
+    c.comm = None;
+    c.engine_active = false;
+    c.submitter = None;
+    Ok(session)
+}
+
+/// Joins the driver's next round and connects it, then gives the session back to the context.
+fn join_round(mut session: Session, reason: &str) -> Joined {
+    let result = session
+        .client
+        .join(session.generation, reason)
+        .and_then(|round| enter(&mut session, round));
+    let mut ctx = context();
+    let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
+    c.session = Some(session);
+    result
+}
+
+/// The driver aborted round `generation` (a member died): while the program finishes what
+/// it computes, the next round forms. Started on a thread of its own, so the driver
+/// connection's reader reads on (the join's answer comes through it); nothing happens when
+/// the program already left that round.
+fn rejoin_early(generation: u64, reason: &str) {
+    let reason = format!("round {generation} was aborted: {reason}");
+    let spawned = std::thread::Builder::new()
+        .name("hvd-rejoin".into())
+        .spawn(move || {
+            let started = std::time::Instant::now();
+            let (session, early) = {
+                let mut ctx = context();
+                let Some(c) = ctx.as_mut() else { return };
+                let current = c.session.as_ref().map(|s| s.generation);
+                if c.early.is_some() || current != Some(generation) {
+                    return;
+                }
+                let Ok(session) = leave_round(c) else { return };
+                let early = Arc::new(EarlyRejoin::default());
+                c.early = Some(Arc::clone(&early));
+                (session, early)
+            };
+            tracing::debug!(
+                generation,
+                "joining the next round before the program notices"
+            );
+            early.finish(join_round(session, &reason), started);
+        });
+    if let Err(e) = spawned {
+        // The program still rejoins at its next collective, as without this thread.
+        tracing::warn!(error = %e, "cannot start the early rejoin's thread");
+    }
 }
 
 /// The round this worker is in (0 before its first).
@@ -719,7 +813,8 @@ pub fn stop_engine(engine: Engine) -> Result<()> {
     let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
     c.engine_active = false;
     c.submitter = None;
-    if c.comm.is_none() {
+    // A rejoin under way holds the next round's communicator: the old one is dropped.
+    if c.comm.is_none() && c.early.is_none() {
         c.comm = comm;
     }
     Ok(())
