@@ -25,6 +25,12 @@ const MASK_BYTES: usize = 128;
 const RECORD: usize = 4 + 8 + 36 + MAILBOX_LEN + 4 + MASK_BYTES;
 /// Where the mailbox record starts in a negotiation record, and its length.
 const MAILBOX_AT: usize = 48;
+/// Cores this process may run on (asked once: the answer costs system calls and file reads).
+pub(crate) fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |c| c.get()))
+}
+
 const MAILBOX_LEN: usize = crate::mailbox::Remote::RECORD;
 const OFFER_AT: usize = MAILBOX_AT + MAILBOX_LEN;
 const NEGOTIATE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -101,12 +107,12 @@ impl CoreOffer {
             }
             // Unknown: as many CPUs as the process may use, numbered from 0.
             Err(_) => {
-                for cpu in 0..crate::comm::cores().min(MASK_BYTES * 8) {
+                for cpu in 0..cores().min(MASK_BYTES * 8) {
                     mask[cpu / 8] |= 1 << (cpu % 8);
                 }
             }
         }
-        let usable = configured.unwrap_or_else(crate::comm::cores).max(1);
+        let usable = configured.unwrap_or_else(cores).max(1);
         Self {
             mask,
             usable: u32::try_from(usable).unwrap_or(u32::MAX),

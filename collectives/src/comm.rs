@@ -78,12 +78,6 @@ pub(crate) struct Hierarchy {
     pub(crate) groups: Vec<Vec<usize>>,
 }
 
-/// Cores this process may run on (asked once: the answer costs system calls and file reads).
-pub(crate) fn cores() -> usize {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CORES.get_or_init(|| thread::available_parallelism().map_or(1, |c| c.get()))
-}
-
 impl Drop for Communicator {
     /// Waits (up to the progress timeout) until every peer has read this rank's last mailbox
     /// post, so that a rank leaving right after a call does not take its post away from a
@@ -467,7 +461,7 @@ impl Communicator {
             posted: None,
             machine_ranks: 1,
             hosts: 1,
-            cores: cores(),
+            cores: crate::cma::cores(),
             background: false,
             extra: (0..n).map(|_| Vec::new()).collect(),
             staging: Vec::new(),

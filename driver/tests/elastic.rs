@@ -754,6 +754,33 @@ fn a_worker_busy_for_three_heartbeat_timeouts_is_not_declared_failed() {
     assert_gone(&pids);
 }
 
+/// The survivors of a failure join the next round when the driver aborts theirs, not when
+/// their program reaches its next collective: every rank is 4 s into a computation between
+/// two collectives when a worker is killed, and the round without it forms at once (well
+/// before any survivor looks up), while no committed step is lost.
+#[test]
+fn survivors_join_the_next_round_while_their_program_still_computes() {
+    let counter = [COUNTER, &["--busy-at-step", "20", "--busy-ms", "4000"]].concat();
+    let mut job = Job::start("early", HOSTS2, &["-np", "4", "--min-np", "2"], &counter);
+    job.wait_for("the busy step", |l| l.v["event"] == "busy");
+    let formed = "round complete; training at the new size";
+    assert_eq!(job.stderr_count(formed), 1, "{}", job.err_tail());
+    signal(job.pid_of_rank(3), Signal::SIGKILL);
+    let killed = Instant::now();
+    job.wait_stderr_count(formed, 2);
+    let joined = killed.elapsed();
+    job.wait_step(21, 2);
+    let resumed = killed.elapsed();
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+    assert!(
+        joined < Duration::from_millis(2500) && resumed > joined + Duration::from_secs(1),
+        "the next round formed {joined:?} after the kill, the survivors resumed after \
+         {resumed:?}:\n{err}"
+    );
+}
+
 /// The pids of `parent`'s children whose environment holds `var`.
 fn children_with(parent: u32, var: &str) -> Vec<i32> {
     let parent = parent.to_string();
