@@ -577,22 +577,14 @@ impl Rejoining {
     }
 }
 
-/// Starts the rejoin on its thread, trying again while a peer dies as the new round
-/// connects; `wait()` on the result gives the outcome.
+/// Starts the rejoin on its thread; `wait()` on the result gives the outcome.
 #[pyfunction]
 fn rejoin_start(reason: String) -> PyResult<Rejoining> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("hvd-rejoin".into())
         .spawn(move || {
-            let joined = stop_engine().and_then(|()| {
-                loop {
-                    match hvd::elastic::steps::rejoin(&reason) {
-                        Err(e) if Raised::of(&e) == Raised::Internal => continue,
-                        done => break done,
-                    }
-                }
-            });
+            let joined = stop_engine().and_then(|()| hvd::elastic::steps::rejoin(&reason));
             // Nobody waiting any more is no error: the worker is on its way out.
             let _ = tx.send(joined);
         })

@@ -339,16 +339,7 @@ pub fn run<S: Syncable, R>(
             }
             Err(e) => return Err(e),
         };
-        // Joining may itself fail when a peer dies while the new mesh connects: join again.
-        loop {
-            match crate::rejoin(&reason) {
-                Ok(()) => break,
-                Err(e) if e.is_recoverable() => {
-                    tracing::warn!(error = %e, "connecting the new round failed; joining the next one");
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        crate::rejoin(&reason)?;
         reset = true;
     }
 }
@@ -394,11 +385,12 @@ pub mod steps {
         Ok(super::sync_plan(&members))
     }
 
-    /// Leaves the current communicator and joins the driver's next round, saying why.
+    /// Leaves the current communicator and joins the driver's next round, saying why; joins
+    /// again while a peer dies as a new round connects.
     ///
     /// # Errors
-    /// [`crate::Error::Removed`] when the driver has no place for this worker any more; a
-    /// recoverable error when a peer died while the new round connected (join again).
+    /// [`crate::Error::Removed`] when the driver has no place for this worker any more; an
+    /// error that no next round mends.
     pub fn rejoin(reason: &str) -> Result<()> {
         crate::rejoin(reason)
     }

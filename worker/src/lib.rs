@@ -352,11 +352,24 @@ fn enter(session: &mut Session, mut round: client::Round) -> Result<(Topology, C
     }
 }
 
-/// Leaves the current communicator and joins the driver's next round (elastic jobs), or
-/// takes over the round a rejoin started by the driver's abort joined meanwhile. The context
-/// lock is not held while waiting, so collectives called meanwhile from other threads fail
-/// with [`Error::MembershipChanging`] instead of blocking.
+/// Leaves the current communicator and joins the driver's next round (elastic jobs), again
+/// while a peer dies as a new round connects. The context lock is not held while waiting, so
+/// collectives called meanwhile from other threads fail with [`Error::MembershipChanging`]
+/// instead of blocking.
 pub(crate) fn rejoin(reason: &str) -> Result<()> {
+    loop {
+        match rejoin_once(reason) {
+            Err(e) if e.is_recoverable() => {
+                tracing::warn!(error = %e, "connecting the new round failed; joining the next one");
+            }
+            done => return done,
+        }
+    }
+}
+
+/// One join of the driver's next round, or the take-over of the round a rejoin started by
+/// the driver's abort joined meanwhile.
+fn rejoin_once(reason: &str) -> Result<()> {
     let early = context().as_mut().and_then(|c| c.early.take());
     let (result, started) = match early {
         Some(early) => early.wait(),

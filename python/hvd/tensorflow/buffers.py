@@ -131,10 +131,10 @@ def tensor_of(array, aligned=False):
                         or _arrays.address(array) % _arrays.ALIGN):
         array = aligned_copy(array)[0]
     if _NAMES.get(array.dtype) == "bfloat16":
-        bits = tf.experimental.dlpack.from_dlpack(array.view(_np.uint16).__dlpack__())
+        bits = _from_dlpack(array.view(_np.uint16).__dlpack__())
         return tf.bitcast(bits, tf.bfloat16)
     try:
-        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+        return _from_dlpack(array.__dlpack__())
     except Exception:  # noqa: BLE001 (an element type DLPack lacks: copied)
         return tf.convert_to_tensor(array)
 

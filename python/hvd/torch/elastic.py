@@ -61,6 +61,13 @@ class _Kept:
         _, source = self.handed.get(value.untyped_storage()._cdata, (None, None))
         return source is into
 
+    def _quiet(self, live, kept):
+        """Whether no in-place operator wrote ``live`` since ``kept`` was copied from it (a
+        hint that nothing trains it) and a clone of ``kept`` can replace its data."""
+        at_copy = self.versions.get(id(kept))
+        return (at_copy is not None and at_copy[0] is live and at_copy[1] == live._version
+                and _lazy_clone is not None and _bytewise(live, kept) and _whole(live))
+
     def _hand(self, live, kept):
         """Gives the live tensor ``live`` a copy-on-write clone of ``kept`` as its data."""
         clone = _lazy_clone(kept)
@@ -100,9 +107,7 @@ class _Kept:
                 handed[cdata] = self.handed[cdata]
                 continue
             copies.append((kept, live.detach()))
-            before = self.versions.get(id(kept))
-            if before is not None and before[0] is live and before[1] == live._version and \
-                    _lazy_clone is not None and _bytewise(live, kept) and _whole(live):
+            if self._quiet(live, kept):
                 unchanged.append((live, kept))
             else:
                 versions[id(kept)] = (live, live._version)
@@ -115,10 +120,9 @@ class _Kept:
 
     def restore_tensors(self, live, saved):
         """Returns the tensors of ``live`` (``state_dict(keep_vars=True)``'s, or an
-        optimizer's state) to ``saved`` (part of the copy): a dense CPU tensor that is not a
-        view gets a copy-on-write clone of its copy as its data (unless it holds an unwritten
-        one already), the others are written in place. False, with nothing changed, when
-        their layouts differ."""
+        optimizer's state) to ``saved`` (part of the copy), as the class says: one that holds
+        an unwritten clone is left alone, a quiet one (``_quiet``) gets a clone, the others are
+        written in place. False, with nothing changed, when their layouts differ."""
         pairs = []
         if not _pairs(live, saved, pairs):
             return False
@@ -126,9 +130,7 @@ class _Kept:
         for t, kept in pairs:
             if self._unwritten(t, kept):
                 continue
-            at_commit = self.versions.get(id(kept))
-            if at_commit is not None and at_commit[0] is t and at_commit[1] == t._version and \
-                    _lazy_clone is not None and _bytewise(t, kept) and _whole(t):
+            if self._quiet(t, kept):
                 # No in-place operator wrote it since the commit: likely none will soon, so a
                 # clone, which costs a copy only when written, beats copying it back now.
                 del self.versions[id(kept)]
