@@ -18,9 +18,10 @@
 //! `f64`s (bit-identical on every rank, so every rank scales alike); an allgather spreads the
 //! finished blocks.
 
-use crate::comm::{Communicator, block_bounds};
+use crate::comm::Communicator;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
+use crate::schedule::block_bounds;
 
 /// Below this squared norm a gradient counts as zero and its coefficient stays 1 (Horovod's
 /// `sqrt(DBL_MIN)`).

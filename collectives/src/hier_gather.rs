@@ -2,9 +2,10 @@
 //! allgather the host blocks across hosts, and each host broadcasts the whole to its ranks.
 //! Across hosts only one rank per host sends, and it sends its host's rows once.
 
-use crate::comm::{Communicator, Hierarchy};
+use crate::comm::Communicator;
 use crate::dtype::{DType, Element};
 use crate::error::{CommError, Result};
+use crate::topology::Hierarchy;
 
 impl Communicator {
     /// [`Communicator::allgather`] through the host and cross-host communicators of `h`

@@ -17,6 +17,9 @@
 //!   into an error everywhere;
 //! - `pipeline`: the segment engine of the ring algorithms;
 //! - `comm`, `ops`: the communicator and its collectives;
+//! - `topology`: the host groups and the hierarchy's host and cross-host communicators;
+//! - `transport`: how bytes move between ranks (openings, mailboxes, ring and pairwise);
+//! - `schedule`: the ring's pure block, segment and receive schedule;
 //! - `adasum`: Horovod's adaptive summation, an allreduce op of its own;
 //! - `engine`: the background engine (named async ops), run in cycles of `negotiation` (what
 //!   every rank has pending, agreed the same everywhere), `fusion` (allreduces reduced as few
@@ -51,8 +54,11 @@ mod negotiation;
 mod ops;
 mod pages;
 mod pipeline;
+mod schedule;
 mod stall;
 mod timeline;
+mod topology;
+mod transport;
 mod wire;
 
 pub use autotune::{AutotuneConfig, Held, Setting, Tuned};

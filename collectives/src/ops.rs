@@ -23,10 +23,12 @@
 //!   call of the world, in the same order on every rank, and a failure of either closes the
 //!   world's sockets, which they share.
 
-use crate::comm::{Communicator, block_bounds, ring_schedule, segment_bounds, take_payload};
+use crate::comm::Communicator;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::pipeline::{Mode, Recv, split_at_bounds};
+use crate::schedule::{block_bounds, ring_schedule, segment_bounds};
+use crate::transport::take_payload;
 use crate::wire::{Descriptor, Kind};
 
 /// A peer whose buffer can no longer be read has left the collective (it failed and

@@ -547,8 +547,9 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
         summary.elapsed = started.elapsed();
         report(&format!("seed {seed} ({launch:?})"), &summary);
         panic!(
-            "seed {seed}: the job hung: {:?}\nlines: {:?}\nhorovodrun's stderr:\n{}",
+            "seed {seed}: the job hung: {:?} ({})\nlines: {:?}\nhorovodrun's stderr:\n{}",
             summary.hangs,
+            job.stacks(),
             job.tail(),
             tail(&job.err_tail())
         );

@@ -324,6 +324,38 @@ impl Job {
         out
     }
 
+    /// Where every worker's threads stood, for the message of a hang: their stacks written by
+    /// gdb (when this machine has it) to a file in the temp dir, whose path it returns, or why
+    /// there are none.
+    pub fn stacks(&self) -> String {
+        let workers = self.workers();
+        let mut out = String::new();
+        for (pid, id, host) in &workers {
+            let bt = Command::new("gdb")
+                .args([
+                    "-p",
+                    &pid.to_string(),
+                    "-batch",
+                    "-ex",
+                    "thread apply all bt",
+                ])
+                .stdin(Stdio::null())
+                .output();
+            match bt {
+                Ok(o) => {
+                    out.push_str(&format!("==== worker {id} on {host} (pid {pid})\n"));
+                    out.push_str(&String::from_utf8_lossy(&o.stdout));
+                }
+                Err(e) => return format!("no worker stacks: gdb: {e}"),
+            }
+        }
+        let path = std::env::temp_dir().join(format!("hvd-hang-stacks-{}.txt", std::process::id()));
+        match std::fs::write(&path, out) {
+            Ok(()) => format!("{} workers' stacks in {}", workers.len(), path.display()),
+            Err(e) => format!("no worker stacks: {}: {e}", path.display()),
+        }
+    }
+
     /// The pid of the worker that printed rank `rank` most recently.
     pub fn pid_of_rank(&self, rank: u64) -> i32 {
         let id = self
@@ -376,18 +408,27 @@ impl Job {
         self.finish_within(Duration::from_secs(90))
     }
 
-    /// [`Job::finish`] for jobs whose workers step slowly (many TensorFlow processes on two
-    /// cores), giving horovodrun `within` to exit.
+    /// [`Job::finish`] that fails when `within` passes with no line from the job (it hung),
+    /// or four times `within` in all (it crawls): a job slowed by a loaded machine but still
+    /// stepping is not a hang.
     pub fn finish_within(mut self, within: Duration) -> (i32, String, Vec<Line>) {
-        let deadline = Instant::now() + within;
+        let started = Instant::now();
+        let mut heard = started;
         let status = loop {
             if let Some(st) = self.child.try_wait().expect("wait") {
                 break st;
             }
-            if Instant::now() > deadline {
+            while let Ok(l) = self.lines.try_recv() {
+                self.seen.push(l);
+                heard = Instant::now();
+            }
+            let (quiet, all) = (heard.elapsed(), started.elapsed());
+            if quiet > within || all > within * 4 {
+                let stacks = self.stacks();
                 let _ = self.child.kill();
                 panic!(
-                    "horovodrun did not exit; lines: {:?}\nhorovodrun's stderr:\n{}",
+                    "horovodrun did not exit: no line for {quiet:?}, {all:?} in all ({stacks}); \
+                     lines: {:?}\nhorovodrun's stderr:\n{}",
                     self.tail(),
                     self.err_tail()
                 );
