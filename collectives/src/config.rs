@@ -27,6 +27,12 @@ pub struct CommConfig {
     pub segment_bytes: usize,
     /// Buffers up to this size take the latency-optimal path: one message to every peer.
     pub small_bytes: usize,
+    /// Worlds up to this many ranks open every call with one message from every rank to every
+    /// other (one hop, n − 1 messages a rank); larger ones in ⌈log2 n⌉ rounds of one message
+    /// (Bruck's allgather), so a call's opening grows with the log of the world, not with it.
+    /// Calls that send each peer something else (alltoall) always open directly. Every rank
+    /// must use the same number.
+    pub direct_open_max: usize,
     /// Whether ranks that all run on one host read each other's buffers directly
     /// (cross-memory attach) instead of sending them over TCP. Every rank must allow it.
     pub same_host_copy: bool,
@@ -64,6 +70,7 @@ impl CommConfig {
             connect_timeout: Duration::from_secs(30),
             segment_bytes: 1024 * 1024,
             small_bytes: 32 * 1024,
+            direct_open_max: 8,
             same_host_copy: true,
             hierarchical: None,
             hierarchical_allgather: None,

@@ -180,7 +180,7 @@ impl LinkFailure {
 }
 
 /// Reads exactly `buf.len()` bytes, treating a clean close as an error that says so.
-pub(crate) fn read_full(stream: &mut TcpStream, buf: &mut [u8]) -> io::Result<()> {
+pub(crate) fn read_full<R: Read + ?Sized>(stream: &mut R, buf: &mut [u8]) -> io::Result<()> {
     let mut done = 0;
     while done < buf.len() {
         match stream.read(&mut buf[done..]) {
@@ -199,7 +199,7 @@ pub(crate) fn read_full(stream: &mut TcpStream, buf: &mut [u8]) -> io::Result<()
 }
 
 /// Reads and drops `len` bytes (the payload of a message that is being rejected).
-pub(crate) fn discard(stream: &mut TcpStream, mut len: u64) -> io::Result<()> {
+pub(crate) fn discard<R: Read + ?Sized>(stream: &mut R, mut len: u64) -> io::Result<()> {
     let mut sink = [0u8; 8192];
     while len > 0 {
         let k = usize::try_from(len).unwrap_or(usize::MAX).min(sink.len());

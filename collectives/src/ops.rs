@@ -1002,9 +1002,8 @@ impl Communicator {
         let mut mine = desc::<u8>(Kind::Barrier, None, seq, 0);
         mine.dtype = None;
         let out = |_| (mine, &[][..]);
-        let sink = |_, d: &Descriptor, rd: &mut std::net::TcpStream| {
-            crate::link::discard(rd, d.payload_len)
-        };
+        let sink =
+            |_, d: &Descriptor, rd: &mut dyn std::io::Read| crate::link::discard(rd, d.payload_len);
         if !mailbox {
             self.open_sockets(mine, Ok(()), out, sink)?;
         } else if self.fits_mailbox(0) {

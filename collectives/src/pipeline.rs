@@ -49,10 +49,10 @@ pub(crate) fn split_at_bounds<'a, T>(mut buf: &'a mut [T], bounds: &[usize]) -> 
 }
 
 /// Puts both sockets in non-blocking mode for the engine and back when it is done.
-struct NonBlocking<'a>(&'a TcpStream, &'a TcpStream);
+pub(crate) struct NonBlocking<'a>(&'a TcpStream, &'a TcpStream);
 
 impl<'a> NonBlocking<'a> {
-    fn new(a: &'a TcpStream, b: &'a TcpStream) -> io::Result<Self> {
+    pub(crate) fn new(a: &'a TcpStream, b: &'a TcpStream) -> io::Result<Self> {
         a.set_nonblocking(true)?;
         b.set_nonblocking(true)?;
         Ok(Self(a, b))

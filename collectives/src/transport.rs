@@ -1,6 +1,7 @@
 //! How bytes move between ranks: every call's opening (over sockets or same-host mailboxes),
 //! the ring and pairwise exchanges, and the same-host pushes into peers' buffers.
 
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::thread;
 use std::time::Duration;
@@ -92,7 +93,7 @@ impl Communicator {
         mine: Descriptor,
         local: std::result::Result<(), String>,
         out: impl Fn(usize) -> (Descriptor, &'p [u8]),
-        sink: impl FnMut(usize, &Descriptor, &mut TcpStream) -> std::io::Result<()>,
+        sink: impl FnMut(usize, &Descriptor, &mut dyn Read) -> std::io::Result<()>,
     ) -> Result<Vec<Descriptor>> {
         if self.mail.is_some() {
             // On one host every call first agrees through the mailboxes, whatever path it
@@ -107,16 +108,28 @@ impl Communicator {
     }
 
     /// The socket half of [`Communicator::open`]: descriptors (and payloads) to and from every
-    /// peer over TCP; waits block in `poll`.
+    /// peer over TCP; waits block in `poll`. A world larger than
+    /// [`crate::CommConfig::direct_open_max`] opens a call that tells every peer the same in
+    /// rounds ([`Communicator::open_rounds`]).
     pub(crate) fn open_sockets<'p>(
         &mut self,
         mine: Descriptor,
         local: std::result::Result<(), String>,
         out: impl Fn(usize) -> (Descriptor, &'p [u8]),
-        mut sink: impl FnMut(usize, &Descriptor, &mut TcpStream) -> std::io::Result<()>,
+        mut sink: impl FnMut(usize, &Descriptor, &mut dyn Read) -> std::io::Result<()>,
     ) -> Result<Vec<Descriptor>> {
         let op = mine.kind.name();
         let (n, r) = (self.size(), self.rank());
+        if n > self.cfg.direct_open_max.max(1) {
+            let (d, payload) = out((r + 1) % n);
+            let uniform = (2..n).all(|k| {
+                let (e, q) = out((r + k) % n);
+                e == d && std::ptr::eq(q, payload)
+            });
+            if uniform {
+                return self.open_rounds(mine, d, payload, local, sink);
+            }
+        }
         let invalid = local.is_err();
         let flag = |mut d: Descriptor| {
             if invalid {
@@ -177,7 +190,7 @@ impl Communicator {
                     Err(detail) => return Err(self.fail(CommError::Protocol { rank: p, detail })),
                 };
                 if d.payload_len > 0
-                    && let Err(e) = sink(p, &d, reader)
+                    && let Err(e) = sink(p, &d, &mut *reader)
                 {
                     let f = LinkFailure::new(&self.shared, p, e);
                     return Err(self.link_error(f, op, Phase::Arrival));
@@ -186,6 +199,220 @@ impl Communicator {
             }
         }
         self.agree(op, local, descs)
+    }
+
+    /// [`Communicator::open_sockets`] for a call that tells every peer the same descriptor and
+    /// payload, in ⌈log2 n⌉ rounds (Bruck's allgather): in the round where this rank holds the
+    /// items of ranks `r .. r + h`, it sends the first `min(h, n − h)` of them to rank `r − h`
+    /// and receives as many, those of ranks `r + h ..`, from rank `r + h`. Each rank talks to
+    /// 2⌈log2 n⌉ peers instead of n − 1 and ends holding every rank's descriptor, so the
+    /// agreement and its errors are those of the direct opening. Payloads reach `sink` in the
+    /// direct opening's order once every round is done.
+    fn open_rounds(
+        &mut self,
+        mine: Descriptor,
+        told: Descriptor,
+        payload: &[u8],
+        local: std::result::Result<(), String>,
+        mut sink: impl FnMut(usize, &Descriptor, &mut dyn Read) -> std::io::Result<()>,
+    ) -> Result<Vec<Descriptor>> {
+        let op = mine.kind.name();
+        let (n, r) = (self.size(), self.rank());
+        let invalid = local.is_err();
+        let flag = |mut d: Descriptor| {
+            if invalid {
+                d.invalid = true;
+                d.payload_len = 0;
+            }
+            d
+        };
+        let told = flag(told);
+        let payload = if told.payload_len > 0 { payload } else { &[] };
+        // The items this rank holds, rank r + i's at index i: descriptors, and their encodings
+        // with payloads end to end in `held` (item i spans `ends[i]..ends[i + 1]`).
+        let mut descs_held = vec![told];
+        let mut held = told.encode().to_vec();
+        held.extend_from_slice(payload);
+        let mut ends = vec![0, held.len()];
+        if let Err(f) = self.set_phase(Phase::Arrival) {
+            return Err(self.link_error(f, op, Phase::Arrival));
+        }
+        while descs_held.len() < n {
+            let h = descs_held.len();
+            let count = h.min(n - h);
+            let (to, from) = ((r + n - h) % n, (r + h) % n);
+            let got = match self.swap(to, &held[..ends[count]], from) {
+                Ok(got) => got,
+                Err(f) => return Err(self.link_error(f, op, Phase::Arrival)),
+            };
+            let mut at = 0;
+            for i in 0..count {
+                let p = (from + i) % n;
+                let item = got.get(at..at + DESCRIPTOR_LEN).map(|b| {
+                    let mut head = [0u8; DESCRIPTOR_LEN];
+                    head.copy_from_slice(b);
+                    Descriptor::decode(&head)
+                });
+                let d = match item {
+                    Some(Ok(d)) => d,
+                    Some(Err(detail)) => {
+                        return Err(self.fail(CommError::Protocol { rank: p, detail }));
+                    }
+                    None => {
+                        let detail =
+                            format!("rank {from} relayed {count} items in {} bytes", got.len());
+                        return Err(self.fail(CommError::Protocol { rank: from, detail }));
+                    }
+                };
+                let end = usize::try_from(d.payload_len)
+                    .ok()
+                    .and_then(|len| (at + DESCRIPTOR_LEN).checked_add(len))
+                    .filter(|&end| end <= got.len());
+                let Some(end) = end else {
+                    let detail = format!("rank {from} relayed a payload past its message's end");
+                    return Err(self.fail(CommError::Protocol { rank: from, detail }));
+                };
+                held.extend_from_slice(&got[at..end]);
+                ends.push(held.len());
+                descs_held.push(d);
+                at = end;
+            }
+            if at != got.len() {
+                let detail = format!(
+                    "rank {from} relayed {} bytes past its items",
+                    got.len() - at
+                );
+                return Err(self.fail(CommError::Protocol { rank: from, detail }));
+            }
+        }
+        let mut descs = vec![flag(mine); n];
+        for i in 1..n {
+            let (p, d) = ((r + i) % n, descs_held[i]);
+            if d.payload_len > 0 {
+                let mut rd = &held[ends[i] + DESCRIPTOR_LEN..ends[i + 1]];
+                if let Err(e) = sink(p, &d, &mut rd) {
+                    let detail = format!("its payload could not be taken: {e}");
+                    return Err(self.fail(CommError::Protocol { rank: p, detail }));
+                }
+            }
+            descs[p] = d;
+        }
+        self.agree(op, local, descs)
+    }
+
+    /// Sends `out`, behind its length, to rank `to` while receiving one such message from rank
+    /// `from` (the same rank or another), both sockets non-blocking under one `poll`, so that
+    /// neither side's write waits for the other's read. Waits up to the arrival timeout.
+    fn swap(
+        &self,
+        to: usize,
+        out: &[u8],
+        from: usize,
+    ) -> std::result::Result<Vec<u8>, LinkFailure> {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        use std::io::ErrorKind::{Interrupted, TimedOut, UnexpectedEof, WouldBlock};
+        use std::os::fd::AsFd;
+        let shared = &*self.shared;
+        let (Some(mut w), Some(mut rd)) = (self.writers[to].as_ref(), self.readers[from].as_ref())
+        else {
+            let e = std::io::Error::other("no connection to this peer");
+            return Err(LinkFailure::new(shared, to, e));
+        };
+        let _modes = crate::pipeline::NonBlocking::new(w, rd)
+            .map_err(|e| LinkFailure::new(shared, to, e))?;
+        let header = (out.len() as u64).to_le_bytes();
+        let mut sent = 0;
+        let (mut head, mut got_head) = ([0u8; 8], 0);
+        let mut body: Vec<u8> = Vec::new();
+        let deadline = std::time::Instant::now() + self.cfg.arrival_timeout;
+        loop {
+            let mut progressed = false;
+            while sent < header.len() + out.len() {
+                let chunk = match sent.checked_sub(header.len()) {
+                    None => &header[sent..],
+                    Some(at) => &out[at..],
+                };
+                match w.write(chunk) {
+                    Ok(k) => {
+                        sent += k;
+                        progressed = true;
+                    }
+                    Err(e) if e.kind() == WouldBlock => break,
+                    Err(e) if e.kind() == Interrupted => {}
+                    Err(e) => return Err(LinkFailure::new(shared, to, e)),
+                }
+            }
+            // The message's length first, then its bytes, taken as they come (a length that
+            // lies only makes the wait time out: nothing is allocated ahead of the bytes).
+            let done = loop {
+                let want = (got_head == head.len())
+                    .then(|| usize::try_from(u64::from_le_bytes(head)).unwrap_or(usize::MAX));
+                if want == Some(body.len()) {
+                    break true;
+                }
+                let start = body.len();
+                let target: &mut [u8] = match want {
+                    None => &mut head[got_head..],
+                    Some(want) => {
+                        body.resize(start + (want - start).min(64 * 1024), 0);
+                        &mut body[start..]
+                    }
+                };
+                let read = rd.read(target);
+                if want.is_some() {
+                    body.truncate(start + *read.as_ref().unwrap_or(&0));
+                }
+                match read {
+                    Ok(0) => {
+                        let e = std::io::Error::new(UnexpectedEof, "connection closed by peer");
+                        return Err(LinkFailure::new(shared, from, e));
+                    }
+                    Ok(k) => {
+                        if want.is_none() {
+                            got_head += k;
+                        }
+                        progressed = true;
+                    }
+                    Err(e) if e.kind() == WouldBlock => break false,
+                    Err(e) if e.kind() == Interrupted => {}
+                    Err(e) => return Err(LinkFailure::new(shared, from, e)),
+                }
+            };
+            if done && sent == header.len() + out.len() {
+                return Ok(body);
+            }
+            if progressed {
+                continue;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let (peer, what) = if done {
+                (to, "could not send")
+            } else {
+                (from, "no descriptor arrived")
+            };
+            if left.is_zero() {
+                return Err(LinkFailure::new(
+                    shared,
+                    peer,
+                    std::io::Error::new(TimedOut, what),
+                ));
+            }
+            let mut fds = Vec::with_capacity(2);
+            if !done {
+                fds.push(PollFd::new(rd.as_fd(), PollFlags::POLLIN));
+            }
+            if sent < header.len() + out.len() {
+                fds.push(PollFd::new(w.as_fd(), PollFlags::POLLOUT));
+            }
+            let ms = i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX);
+            match poll(
+                &mut fds,
+                PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
+            ) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(LinkFailure::new(shared, peer, std::io::Error::from(e))),
+            }
+        }
     }
 
     /// The end of every opening: this rank's own verdict first, then a peer's, then whether
@@ -572,7 +799,7 @@ impl Communicator {
 
 /// Reads an inline payload into `dst` when it is what this rank expects, else drops it.
 pub(crate) fn take_payload<T: Element>(
-    reader: &mut TcpStream,
+    reader: &mut dyn Read,
     d: &Descriptor,
     expected: bool,
     dst: &mut Vec<T>,

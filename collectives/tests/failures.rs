@@ -381,3 +381,63 @@ fn a_rank_leaving_a_crowded_call_gets_no_write_after_it_returns() {
     assert!(ones > 0, "every write had landed before the call returned");
     assert_eq!(changed, 0, "elements written after the call returned");
 }
+
+/// Calls opened in rounds fail as those opened directly: a mismatch names both sides on
+/// every rank and leaves the communicator working, an invalid call on one rank fails every
+/// rank naming it, and a rank that leaves fails the others fast.
+#[test]
+fn openings_in_rounds_fail_as_direct_ones_do() {
+    let rounds = |cfg: &mut CommConfig| {
+        cfg.same_host_copy = false;
+        cfg.direct_open_max = 1;
+        cfg.arrival_timeout = Duration::from_secs(20);
+    };
+    let out = world_with(6, rounds, |comm| {
+        let len = if comm.rank() == 4 { 12 } else { 10 };
+        let mismatch = comm
+            .allreduce(&mut vec![1.0f32; len], ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        let mut ok = vec![1i32; 5];
+        comm.allreduce(&mut ok, ReduceOp::Sum)
+            .expect("allreduce after a mismatch");
+        assert_eq!(ok, vec![6; 5]);
+        let root = if comm.rank() == 2 { 9 } else { 0 };
+        let invalid = comm.broadcast(&mut [0u8; 4], root).unwrap_err();
+        (mismatch, invalid)
+    });
+    for (rank, (mismatch, invalid)) in out.iter().enumerate() {
+        assert!(
+            mismatch.contains("rank 0 called allreduce(f32[10], sum)"),
+            "{mismatch}"
+        );
+        assert!(
+            mismatch.contains("rank 4 called allreduce(f32[12], sum)"),
+            "{mismatch}"
+        );
+        match (rank, invalid) {
+            (2, CommError::InvalidArgument { .. }) => {}
+            (r, CommError::RemoteInvalid { rank: 2, .. }) if r != 2 => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let out = world_with(6, rounds, |comm| {
+        if comm.rank() == 3 {
+            comm.abort_handle().abort("simulated death");
+            return None;
+        }
+        let started = Instant::now();
+        let err = comm.allreduce(&mut [1.0f32; 4], ReduceOp::Sum).unwrap_err();
+        Some((err, started.elapsed()))
+    });
+    for (err, after) in out.into_iter().flatten() {
+        assert!(
+            matches!(err, CommError::PeerLost { .. }),
+            "rank 3 left: {err}"
+        );
+        assert!(
+            after < Duration::from_secs(3),
+            "rank 3 left: took {after:?}"
+        );
+    }
+}

@@ -6,7 +6,7 @@
 
 mod support;
 
-use hvd_collectives::{Communicator, ReduceOp, bf16, f16};
+use hvd_collectives::{CommConfig, Communicator, ReduceOp, bf16, f16};
 use support::{TestElem, assert_close, reduced, world, world_on, world_with};
 
 const OPS: [ReduceOp; 5] = [
@@ -246,7 +246,7 @@ fn every_rank_gets_bit_identical_floats() {
 }
 
 /// Runs every check on a world over `ips`; returns whether each rank ran hierarchically.
-fn check_on(ips: &[&str], tweak: impl Fn(&mut hvd_collectives::CommConfig) + Sync) -> Vec<bool> {
+fn check_on(ips: &[&str], tweak: impl Fn(&mut CommConfig) + Sync) -> Vec<bool> {
     world_on(ips, tweak, |comm| {
         check_all(comm);
         comm.is_hierarchical()
@@ -321,4 +321,30 @@ fn hierarchical_results_are_bit_identical() {
             "{op:?}: ranks disagree"
         );
     }
+}
+
+/// Worlds that open every call in rounds (Bruck's allgather of descriptors and inline
+/// payloads) instead of one message to every peer: every collective, every element type, over
+/// TCP (so the payloads travel in the rounds, not in same-host mailboxes), on one address and
+/// across hosts; and a world of 12, past the default, as it comes.
+#[test]
+fn worlds_that_open_in_rounds() {
+    let rounds = |cfg: &mut CommConfig| {
+        cfg.same_host_copy = false;
+        cfg.direct_open_max = 1;
+    };
+    for n in [2, 3, 5, 8] {
+        world_with(n, rounds, check_all);
+    }
+    // Three hosts of two: the cross-host communicator of the hierarchy opens in rounds too.
+    let ips = [
+        "127.0.0.2",
+        "127.0.0.2",
+        "127.0.0.3",
+        "127.0.0.3",
+        "127.0.0.4",
+        "127.0.0.4",
+    ];
+    assert_eq!(check_on(&ips, |cfg| cfg.direct_open_max = 1), vec![true; 6]);
+    world_with(12, |cfg| cfg.same_host_copy = false, check_all);
 }

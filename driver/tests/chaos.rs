@@ -547,9 +547,10 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
         summary.elapsed = started.elapsed();
         report(&format!("seed {seed} ({launch:?})"), &summary);
         panic!(
-            "seed {seed}: the job hung: {:?} ({})\nlines: {:?}\nhorovodrun's stderr:\n{}",
+            "seed {seed}: the job hung: {:?} ({}; {})\nlines: {:?}\nhorovodrun's stderr:\n{}",
             summary.hangs,
             job.stacks(),
+            job.save_stderr(),
             job.tail(),
             tail(&job.err_tail())
         );

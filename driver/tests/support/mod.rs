@@ -356,6 +356,17 @@ impl Job {
         }
     }
 
+    /// All of `horovodrun`'s stderr so far, written to a file in the temp dir for a failure
+    /// message (whose tail alone may have lost the first error); returns where it is.
+    pub fn save_stderr(&self) -> String {
+        let err = self.err.lock().map(|e| e.clone()).unwrap_or_default();
+        let path = std::env::temp_dir().join(format!("hvd-stderr-{}.txt", std::process::id()));
+        match std::fs::write(&path, err) {
+            Ok(()) => format!("horovodrun's whole stderr in {}", path.display()),
+            Err(e) => format!("horovodrun's stderr not saved: {}: {e}", path.display()),
+        }
+    }
+
     /// The pid of the worker that printed rank `rank` most recently.
     pub fn pid_of_rank(&self, rank: u64) -> i32 {
         let id = self
