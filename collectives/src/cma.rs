@@ -186,7 +186,8 @@ pub(crate) fn write_remote(pid: Pid, addr: usize, data: &[u8]) -> io::Result<()>
 /// disables it for every group it belongs to. `hierarchical` is this rank's wish for
 /// hierarchical collectives (bit 0 allreduce, bit 1 allgather; bit 2: allgather not refused);
 /// each needs every rank's. `offer` is this rank's part of the machine's core count
-/// ([`shared_cores`]).
+/// ([`shared_cores`]). Two exchanges with every peer: the records, then each rank's verdict
+/// with its wishes.
 pub(crate) fn negotiate(
     rank: usize,
     streams: &mut [Option<TcpStream>],
@@ -244,30 +245,24 @@ pub(crate) fn negotiate(
             can[1] &= readable;
         }
     }
-    let verdict = u8::from(can[0]) | (u8::from(can[1]) << 1);
+    // One more exchange decides the rest: every rank's verdict with the hierarchical paths
+    // it wants (bits 2-4). Same-host reads hold within a host group where every member of it
+    // can; the hierarchy needs that on every host, and is then what every rank wants.
+    let verdict = u8::from(can[0]) | (u8::from(can[1]) << 1) | ((hierarchical & 7) << 2);
     for s in streams.iter_mut().flatten() {
         s.write_all(&[verdict])?;
     }
     let one_host = host_of.iter().all(|&h| h == host_of[rank]);
-    let (mut world, mut local) = (can[0] && one_host, can[1]);
-    for (j, s) in streams.iter_mut().enumerate() {
-        let Some(s) = s else { continue };
+    let (mut world, mut every_host) = (can[0] && one_host, can[1]);
+    let mut all = hierarchical & 7;
+    for s in streams.iter_mut().flatten() {
         let mut b = [0u8; 1];
         s.read_exact(&mut b)?;
         world &= b[0] & 1 == 1;
-        if host_of[j] == host_of[rank] {
-            local &= b[0] & 2 == 2;
-        }
+        every_host &= b[0] & 2 == 2;
+        all &= b[0] >> 2;
     }
-    let mut all = if local { hierarchical & 7 } else { 0 };
-    for s in streams.iter_mut().flatten() {
-        s.write_all(&[all])?;
-    }
-    for s in streams.iter_mut().flatten() {
-        let mut b = [0u8; 1];
-        s.read_exact(&mut b)?;
-        all &= b[0];
-    }
+    let all = if every_host { all } else { 0 };
     Ok(Agreement {
         pids,
         world,

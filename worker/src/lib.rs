@@ -370,17 +370,23 @@ pub(crate) fn rejoin(reason: &str) -> Result<()> {
 /// One join of the driver's next round, or the take-over of the round a rejoin started by
 /// the driver's abort joined meanwhile.
 fn rejoin_once(reason: &str) -> Result<()> {
-    let early = context().as_mut().and_then(|c| c.early.take());
-    let (result, started) = match early {
-        Some(early) => early.wait(),
-        None => {
-            let started = std::time::Instant::now();
-            let session = {
-                let mut ctx = context();
-                leave_round(ctx.as_mut().ok_or(Error::NotInitialized)?)?
-            };
-            (join_round(session, reason), started)
+    // Whether the driver's abort started a rejoin is decided under the same lock as leaving
+    // the round: between the two, that rejoin could take the session.
+    enum Who {
+        Early(Arc<EarlyRejoin>),
+        Program(Session, std::time::Instant),
+    }
+    let who = {
+        let mut ctx = context();
+        let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
+        match c.early.take() {
+            Some(early) => Who::Early(early),
+            None => Who::Program(leave_round(c)?, std::time::Instant::now()),
         }
+    };
+    let (result, started) = match who {
+        Who::Early(early) => early.wait(),
+        Who::Program(session, started) => (join_round(session, reason), started),
     };
     let mut ctx = context();
     let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
