@@ -10,9 +10,9 @@
 //! forbids the call) falls back to TCP everywhere, so ranks never disagree on the algorithm.
 //! The same agreement is made within each host group, for hierarchical allreduce.
 
-use std::io::{self, IoSliceMut, Read, Write};
-use std::net::TcpStream;
-use std::time::Duration;
+use std::io::{self, IoSliceMut};
+
+use crate::error::{CommError, Result};
 
 use nix::sys::uio::{RemoteIoVec, process_vm_readv, process_vm_writev};
 use nix::unistd::Pid;
@@ -33,7 +33,6 @@ pub(crate) fn cores() -> usize {
 
 const MAILBOX_LEN: usize = crate::mailbox::Remote::RECORD;
 const OFFER_AT: usize = MAILBOX_AT + MAILBOX_LEN;
-const NEGOTIATE_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn boot_id() -> Option<[u8; 36]> {
     let s = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
@@ -186,17 +185,18 @@ pub(crate) fn write_remote(pid: Pid, addr: usize, data: &[u8]) -> io::Result<()>
 /// disables it for every group it belongs to. `hierarchical` is this rank's wish for
 /// hierarchical collectives (bit 0 allreduce, bit 1 allgather; bit 2: allgather not refused);
 /// each needs every rank's. `offer` is this rank's part of the machine's core count
-/// ([`shared_cores`]). Two exchanges with every peer: the records, then each rank's verdict
-/// with its wishes.
+/// ([`shared_cores`]). `gather` hands every rank the bytes each rank gave it (by rank): it is
+/// called twice, with this rank's record, then with its verdict and wishes.
 pub(crate) fn negotiate(
     rank: usize,
-    streams: &mut [Option<TcpStream>],
     host_of: &[usize],
     enabled: bool,
     hierarchical: u8,
     mailbox: &crate::mailbox::Mailbox,
     offer: CoreOffer,
-) -> io::Result<Agreement> {
+    mut gather: impl FnMut(&[u8]) -> Result<Vec<Vec<u8>>>,
+) -> Result<Agreement> {
+    let n = host_of.len();
     let me = boot_id();
     let mut record = [0u8; RECORD];
     record[..4].copy_from_slice(&std::process::id().to_le_bytes());
@@ -207,21 +207,19 @@ pub(crate) fn negotiate(
     let own = mailbox.remote();
     record[MAILBOX_AT..OFFER_AT].copy_from_slice(&own.encode());
     offer.encode(&mut record[OFFER_AT..]);
-    let mut offers = vec![offer];
-    let mut mailboxes = vec![own; streams.len()];
-    let mut machine_ranks = 1;
-    for s in streams.iter_mut().flatten() {
-        s.set_read_timeout(Some(NEGOTIATE_TIMEOUT))?;
-        s.write_all(&record)?;
+    let records = gather(&record)?;
+    if let Some(j) = (0..n).find(|&j| records.get(j).is_none_or(|r| r.len() != RECORD)) {
+        let detail = "its same-host record has another length".to_string();
+        return Err(CommError::Protocol { rank: j, detail });
     }
-    let mut pids = vec![Pid::from_raw(0); streams.len()];
+    let mut offers = vec![offer];
+    let mut mailboxes = vec![own; n];
+    let mut machine_ranks = 1;
+    let mut pids = vec![Pid::from_raw(0); n];
     pids[rank] = Pid::this();
     // Bit 0: this rank can read every peer; bit 1: every peer of its own host group.
     let mut can = [enabled && me.is_some(); 2];
-    for (j, s) in streams.iter_mut().enumerate() {
-        let Some(s) = s else { continue };
-        let mut theirs = [0u8; RECORD];
-        s.read_exact(&mut theirs)?;
+    for (j, theirs) in records.iter().enumerate().filter(|&(j, _)| j != rank) {
         let pid = i32::from_le_bytes([theirs[0], theirs[1], theirs[2], theirs[3]]);
         let mut a = [0u8; 8];
         a.copy_from_slice(&theirs[4..12]);
@@ -245,28 +243,26 @@ pub(crate) fn negotiate(
             can[1] &= readable;
         }
     }
-    // One more exchange decides the rest: every rank's verdict with the hierarchical paths
-    // it wants (bits 2-4). Same-host reads hold within a host group where every member of it
-    // can; the hierarchy needs that on every host, and is then what every rank wants.
+    // Every rank's verdict with the hierarchical paths it wants (bits 2-4) decides the rest.
+    // Same-host reads hold within a host group where every member of it can; the hierarchy
+    // needs that on every host, and is then what every rank wants.
     let verdict = u8::from(can[0]) | (u8::from(can[1]) << 1) | ((hierarchical & 7) << 2);
-    for s in streams.iter_mut().flatten() {
-        s.write_all(&[verdict])?;
+    let verdicts = gather(&[verdict])?;
+    if let Some(j) = (0..n).find(|&j| verdicts.get(j).is_none_or(|v| v.len() != 1)) {
+        let detail = "its same-host verdict has another length".to_string();
+        return Err(CommError::Protocol { rank: j, detail });
     }
     let one_host = host_of.iter().all(|&h| h == host_of[rank]);
-    let (mut world, mut every_host) = (can[0] && one_host, can[1]);
-    let mut all = hierarchical & 7;
-    for s in streams.iter_mut().flatten() {
-        let mut b = [0u8; 1];
-        s.read_exact(&mut b)?;
-        world &= b[0] & 1 == 1;
-        every_host &= b[0] & 2 == 2;
-        all &= b[0] >> 2;
+    let (mut world, mut every_host, mut all) = (one_host, true, 7u8);
+    for v in verdicts.iter().map(|v| v[0]) {
+        world &= v & 1 == 1;
+        every_host &= v & 2 == 2;
+        all &= v >> 2;
     }
-    let all = if every_host { all } else { 0 };
     Ok(Agreement {
         pids,
         world,
-        hierarchical: all,
+        hierarchical: if every_host { all } else { 0 },
         mailboxes,
         machine_ranks,
         cores: shared_cores(&offers),

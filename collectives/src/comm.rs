@@ -166,32 +166,36 @@ impl Communicator {
             });
         }
         let connect::Mesh {
-            primary: mut streams,
+            primary: streams,
             extra,
         } = connect::mesh(&cfg, listener, peers, shared)?;
         let host_of = host_groups(peers);
         let mailbox = Mailbox::new(cfg.small_bytes);
-        let agreed = crate::cma::negotiate(
-            cfg.rank,
-            &mut streams,
-            &host_of,
-            cfg.same_host_copy,
-            u8::from(cfg.hierarchical != Some(false))
-                | (u8::from(cfg.hierarchical_allgather == Some(true)) << 1)
-                | (u8::from(cfg.hierarchical_allgather != Some(false)) << 2),
-            &mailbox,
-            crate::cma::CoreOffer::own(cfg.cores),
-        )
-        .map_err(|source| CommError::Io {
-            context: "agreeing on same-host transfers".into(),
-            source,
-        })?;
         let forced = cfg.hierarchical == Some(true) || cfg.hierarchical_allgather == Some(true);
+        let wishes = u8::from(cfg.hierarchical != Some(false))
+            | (u8::from(cfg.hierarchical_allgather == Some(true)) << 1)
+            | (u8::from(cfg.hierarchical_allgather != Some(false)) << 2);
+        let (enabled, offer) = (cfg.same_host_copy, crate::cma::CoreOffer::own(cfg.cores));
         // The communicator registers its own duplicates of the sockets (an abort from here on
         // reaches them through those).
         shared.forget_streams();
         let mut comm = Self::from_streams(cfg, streams, Arc::clone(shared));
         comm.set_extra(extra)?;
+        // The agreement on same-host transfers travels as the calls' openings do (in rounds in
+        // a large world), waiting no longer than the connecting may.
+        let arrival = comm.cfg.arrival_timeout;
+        comm.cfg.arrival_timeout = arrival.min(comm.cfg.connect_timeout);
+        let agreed = crate::cma::negotiate(
+            comm.rank(),
+            &host_of,
+            enabled,
+            wishes,
+            &mailbox,
+            offer,
+            |item| comm.gather_small(item),
+        )
+        .map_err(|e| comm.fail(e))?;
+        comm.cfg.arrival_timeout = arrival;
         comm.cma = agreed.world.then(|| agreed.pids.clone());
         comm.mailbox = mailbox;
         comm.machine_ranks = agreed.machine_ranks;

@@ -19,6 +19,7 @@
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -159,29 +160,109 @@ fn build(
     shared: &Shared,
 ) -> Result<Mesh> {
     let deadline = Instant::now() + cfg.connect_timeout;
+    // Dialing the lower ranks runs beside accepting the higher ones: a rank that accepted
+    // only once its own dials were done held up every higher rank, a chain through the world.
+    // Either side's failure stops the other.
+    let stop = AtomicBool::new(false);
+    let (dialed, accepted) = thread::scope(|scope| {
+        let dialer = scope.spawn(|| {
+            let dialed = dial_lower(cfg, peers, deadline, shared, &stop);
+            if dialed.is_err() {
+                stop.store(true, Ordering::SeqCst);
+            }
+            dialed
+        });
+        let accepted = accept_higher(cfg, listener, peers, deadline, shared, &stop);
+        if accepted.is_err() {
+            stop.store(true, Ordering::SeqCst);
+        }
+        let dialed = dialer.join().unwrap_or_else(|_| {
+            Err(io_err(
+                "dialing peers",
+                io::Error::other("the dialing thread panicked"),
+            ))
+        });
+        (dialed, accepted)
+    });
+    // The side that failed first names the cause; the other only saw it stop.
+    let (dialed, mut slots) = match (dialed, accepted) {
+        (Ok(d), Ok(a)) => (d, a),
+        (_, Err(Stopped::Failed(e))) | (Err(e), _) => return Err(e),
+        (Ok(_), Err(Stopped::Halted)) => {
+            let e = io::Error::other("accepting stopped with every dial made");
+            return Err(io_err("accepting peer connections", e));
+        }
+    };
+    for (j, per_peer) in dialed.into_iter().enumerate() {
+        slots[j] = per_peer.into_iter().map(Some).collect();
+    }
+    let mut primary = Vec::with_capacity(cfg.size);
+    let mut extra = Vec::with_capacity(cfg.size);
+    for mut per_peer in slots {
+        let first = per_peer.first_mut().and_then(Option::take);
+        primary.push(first);
+        extra.push(per_peer.into_iter().flatten().collect());
+    }
+    Ok(Mesh { primary, extra })
+}
+
+/// Why accepting stopped before every higher rank was in.
+enum Stopped {
+    /// The dialing side failed (it reports why).
+    Halted,
+    Failed(CommError),
+}
+
+/// Connects to every lower rank, `cfg.streams` times each, one after another.
+fn dial_lower(
+    cfg: &CommConfig,
+    peers: &[SocketAddr],
+    deadline: Instant,
+    shared: &Shared,
+    stop: &AtomicBool,
+) -> Result<Vec<Vec<TcpStream>>> {
+    let mut dialed = Vec::with_capacity(cfg.rank);
+    for (j, addr) in peers.iter().enumerate().take(cfg.rank) {
+        let per_peer = (0..cfg.streams)
+            .map(|index| dial(cfg, j, index, *addr, deadline, shared, stop))
+            .collect::<Result<Vec<_>>>()?;
+        dialed.push(per_peer);
+    }
+    Ok(dialed)
+}
+
+/// Admits every higher rank's connections, `cfg.streams` each, into their slots (the lower
+/// ranks' slots stay empty).
+fn accept_higher(
+    cfg: &CommConfig,
+    listener: &TcpListener,
+    peers: &[SocketAddr],
+    deadline: Instant,
+    shared: &Shared,
+    stop: &AtomicBool,
+) -> std::result::Result<Vec<Vec<Option<TcpStream>>>, Stopped> {
     let k = cfg.streams;
     let mut slots: Vec<Vec<Option<TcpStream>>> = (0..cfg.size)
         .map(|_| (0..k).map(|_| None).collect())
         .collect();
-    for (j, addr) in peers.iter().enumerate().take(cfg.rank) {
-        for (index, slot) in slots[j].iter_mut().enumerate() {
-            *slot = Some(dial(cfg, j, index, *addr, deadline, shared)?);
-        }
-    }
+    let failed = Stopped::Failed;
     listener
         .set_nonblocking(true)
-        .map_err(|e| io_err("listener", e))?;
+        .map_err(|e| failed(io_err("listener", e)))?;
     let mut missing = (cfg.size - cfg.rank - 1) * k;
     while missing > 0 {
         if let Some(reason) = shared.abort_reason() {
-            return Err(CommError::Aborted { reason });
+            return Err(failed(CommError::Aborted { reason }));
+        }
+        if stop.load(Ordering::SeqCst) {
+            return Err(Stopped::Halted);
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             let waiting: Vec<usize> = (cfg.rank + 1..cfg.size)
                 .filter(|&j| slots[j].iter().any(Option::is_none))
                 .collect();
-            return Err(CommError::Connect {
+            return Err(failed(CommError::Connect {
                 rank: waiting[0],
                 addr: peers
                     .get(waiting[0])
@@ -190,25 +271,27 @@ fn build(
                     "ranks {waiting:?} did not connect within {:?}",
                     cfg.connect_timeout
                 ),
-            });
+            }));
         }
-        if let Some(j) = wait_for_dialers(listener, &slots, left.min(CHECK_EVERY))? {
-            return Err(CommError::PeerLost {
+        if let Some(j) =
+            wait_for_dialers(listener, &slots, left.min(CHECK_EVERY)).map_err(failed)?
+        {
+            return Err(failed(CommError::PeerLost {
                 rank: j,
                 op: "connect",
                 source: io::Error::new(
                     io::ErrorKind::ConnectionReset,
                     "the peer closed its connection while the mesh was being built",
                 ),
-            });
+            }));
         }
         loop {
             match listener.accept() {
                 Ok((mut s, from)) => {
-                    tune(&s).map_err(|e| io_err("accepted socket", e))?;
+                    tune(&s).map_err(|e| failed(io_err("accepted socket", e)))?;
                     shared
                         .register(&s)
-                        .map_err(|e| io_err("registering a connection", e))?;
+                        .map_err(|e| failed(io_err("registering a connection", e)))?;
                     match admit(cfg, &mut s) {
                         Ok((j, index)) if slots[j][index].is_none() => {
                             slots[j][index] = Some(s);
@@ -226,21 +309,14 @@ fn build(
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(io_err("accepting peer connections", e)),
+                Err(e) => return Err(failed(io_err("accepting peer connections", e))),
             }
             if shared.is_aborted() {
                 break;
             }
         }
     }
-    let mut primary = Vec::with_capacity(cfg.size);
-    let mut extra = Vec::with_capacity(cfg.size);
-    for mut per_peer in slots {
-        let first = per_peer.first_mut().and_then(Option::take);
-        primary.push(first);
-        extra.push(per_peer.into_iter().flatten().collect());
-    }
-    Ok(Mesh { primary, extra })
+    Ok(slots)
 }
 
 /// Waits up to `wait` for a connection on `listener`, watching the connections already made;
@@ -294,7 +370,12 @@ fn io_err(context: &str, source: io::Error) -> CommError {
 
 /// Opens a TCP connection to `addr` without blocking past [`CHECK_EVERY`] at a time, so an
 /// abort ends the attempt (a peer whose host is gone may never answer a SYN).
-fn open(addr: SocketAddr, deadline: Instant, shared: &Shared) -> io::Result<TcpStream> {
+fn open(
+    addr: SocketAddr,
+    deadline: Instant,
+    shared: &Shared,
+    stop: &AtomicBool,
+) -> io::Result<TcpStream> {
     use nix::sys::socket::{
         AddressFamily, SockFlag, SockType, SockaddrStorage, connect, getsockopt, socket,
         sockopt::SocketError,
@@ -313,7 +394,7 @@ fn open(addr: SocketAddr, deadline: Instant, shared: &Shared) -> io::Result<TcpS
     match connect(fd.as_raw_fd(), &SockaddrStorage::from(addr)) {
         Ok(()) => {}
         Err(nix::errno::Errno::EINPROGRESS | nix::errno::Errno::EINTR) => loop {
-            if shared.is_aborted() {
+            if shared.is_aborted() || stop.load(Ordering::SeqCst) {
                 return Err(io::Error::new(io::ErrorKind::Interrupted, "aborted"));
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -351,6 +432,7 @@ fn dial(
     addr: SocketAddr,
     deadline: Instant,
     shared: &Shared,
+    stop: &AtomicBool,
 ) -> Result<TcpStream> {
     let fail = |detail: String| CommError::Connect {
         rank: j,
@@ -361,7 +443,10 @@ fn dial(
         if let Some(reason) = shared.abort_reason() {
             return Err(CommError::Aborted { reason });
         }
-        match open(addr, deadline, shared) {
+        if stop.load(Ordering::SeqCst) {
+            return Err(fail("accepting the higher ranks failed".into()));
+        }
+        match open(addr, deadline, shared, stop) {
             Ok(s) => break s,
             Err(e) if Instant::now() < deadline && !shared.is_aborted() => {
                 tracing::debug!(peer = j, %addr, error = %e, "peer not reachable yet; retrying");

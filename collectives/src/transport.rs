@@ -415,6 +415,45 @@ impl Communicator {
         }
     }
 
+    /// Every rank's `item` by rank (items of one length): an allgather of a few bytes carried
+    /// by a call's opening (one message to each peer, or rounds in a large world), for what
+    /// the ranks agree on while the communicator is built.
+    pub(crate) fn gather_small(&mut self, item: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let seq = self.begin()?;
+        let len = item.len() as u64;
+        let d = Descriptor {
+            dtype: Some(crate::dtype::DType::U8),
+            count: len,
+            row_len: 1,
+            payload_len: len,
+            ..Descriptor::bare(Kind::Allgather, seq)
+        };
+        let mut got = vec![Vec::new(); self.size()];
+        got[self.rank()] = item.to_vec();
+        let descs = self.open_sockets(
+            d,
+            Ok(()),
+            |_| (d, item),
+            |p, d, rd| {
+                if d.payload_len != len {
+                    return discard(rd, d.payload_len);
+                }
+                let mut theirs = vec![0u8; item.len()];
+                read_full(rd, &mut theirs)?;
+                got[p] = theirs;
+                Ok(())
+            },
+        )?;
+        if let Some(p) = (0..descs.len()).find(|&p| descs[p].payload_len != len) {
+            let detail = format!(
+                "sent {} bytes where {len} were agreed",
+                descs[p].payload_len
+            );
+            return Err(self.fail(CommError::Protocol { rank: p, detail }));
+        }
+        Ok(got)
+    }
+
     /// The end of every opening: this rank's own verdict first, then a peer's, then whether
     /// every descriptor matches rank 0's.
     fn agree(
