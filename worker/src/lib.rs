@@ -374,19 +374,19 @@ fn rejoin_once(reason: &str) -> Result<()> {
     // the round: between the two, that rejoin could take the session.
     enum Who {
         Early(Arc<EarlyRejoin>),
-        Program(Session, std::time::Instant),
+        Program(Box<Session>, std::time::Instant),
     }
     let who = {
         let mut ctx = context();
         let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
         match c.early.take() {
             Some(early) => Who::Early(early),
-            None => Who::Program(leave_round(c)?, std::time::Instant::now()),
+            None => Who::Program(Box::new(leave_round(c)?), std::time::Instant::now()),
         }
     };
     let (result, started) = match who {
         Who::Early(early) => early.wait(),
-        Who::Program(session, started) => (join_round(session, reason), started),
+        Who::Program(session, started) => (join_round(*session, reason), started),
     };
     let mut ctx = context();
     let c = ctx.as_mut().ok_or(Error::NotInitialized)?;
