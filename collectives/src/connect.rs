@@ -20,6 +20,7 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -162,19 +163,23 @@ fn build(
     let deadline = Instant::now() + cfg.connect_timeout;
     // Dialing the lower ranks runs beside accepting the higher ones: a rank that accepted
     // only once its own dials were done held up every higher rank, a chain through the world.
-    // Either side's failure stops the other.
+    // Either side's failure stops the other. The connections dialed so far are watched with
+    // the accepted ones while accepting waits, so a lower rank that dies is noticed at once.
     let stop = AtomicBool::new(false);
+    let done = Mutex::new(Vec::with_capacity(cfg.rank));
     let (dialed, accepted) = thread::scope(|scope| {
         let dialer = scope.spawn(|| {
-            let dialed = dial_lower(cfg, peers, deadline, shared, &stop);
+            let dialed = dial_lower(cfg, peers, deadline, shared, &stop, &done);
             if dialed.is_err() {
                 stop.store(true, Ordering::SeqCst);
             }
             dialed
         });
-        let accepted = accept_higher(cfg, listener, peers, deadline, shared, &stop);
+        let accepted = accept_higher(cfg, listener, peers, deadline, shared, &stop, &done);
         if accepted.is_err() {
             stop.store(true, Ordering::SeqCst);
+            // A dial blocked in its handshake ends when its socket is shut.
+            shared.trip();
         }
         let dialed = dialer.join().unwrap_or_else(|_| {
             Err(io_err(
@@ -185,14 +190,15 @@ fn build(
         (dialed, accepted)
     });
     // The side that failed first names the cause; the other only saw it stop.
-    let (dialed, mut slots) = match (dialed, accepted) {
-        (Ok(d), Ok(a)) => (d, a),
+    let mut slots = match (dialed, accepted) {
+        (Ok(()), Ok(a)) => a,
         (_, Err(Stopped::Failed(e))) | (Err(e), _) => return Err(e),
         (Ok(_), Err(Stopped::Halted)) => {
             let e = io::Error::other("accepting stopped with every dial made");
             return Err(io_err("accepting peer connections", e));
         }
     };
+    let dialed = done.into_inner().unwrap_or_else(PoisonError::into_inner);
     for (j, per_peer) in dialed.into_iter().enumerate() {
         slots[j] = per_peer.into_iter().map(Some).collect();
     }
@@ -213,22 +219,25 @@ enum Stopped {
     Failed(CommError),
 }
 
-/// Connects to every lower rank, `cfg.streams` times each, one after another.
+/// Connects to every lower rank, `cfg.streams` times each, one after another, putting each
+/// rank's connections in `done` (rank j's at index j) as soon as they are made.
 fn dial_lower(
     cfg: &CommConfig,
     peers: &[SocketAddr],
     deadline: Instant,
     shared: &Shared,
     stop: &AtomicBool,
-) -> Result<Vec<Vec<TcpStream>>> {
-    let mut dialed = Vec::with_capacity(cfg.rank);
+    done: &Mutex<Vec<Vec<TcpStream>>>,
+) -> Result<()> {
     for (j, addr) in peers.iter().enumerate().take(cfg.rank) {
         let per_peer = (0..cfg.streams)
             .map(|index| dial(cfg, j, index, *addr, deadline, shared, stop))
             .collect::<Result<Vec<_>>>()?;
-        dialed.push(per_peer);
+        done.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(per_peer);
     }
-    Ok(dialed)
+    Ok(())
 }
 
 /// Admits every higher rank's connections, `cfg.streams` each, into their slots (the lower
@@ -240,6 +249,7 @@ fn accept_higher(
     deadline: Instant,
     shared: &Shared,
     stop: &AtomicBool,
+    dialed: &Mutex<Vec<Vec<TcpStream>>>,
 ) -> std::result::Result<Vec<Vec<Option<TcpStream>>>, Stopped> {
     let k = cfg.streams;
     let mut slots: Vec<Vec<Option<TcpStream>>> = (0..cfg.size)
@@ -274,7 +284,7 @@ fn accept_higher(
             }));
         }
         if let Some(j) =
-            wait_for_dialers(listener, &slots, left.min(CHECK_EVERY)).map_err(failed)?
+            wait_for_dialers(listener, &slots, dialed, left.min(CHECK_EVERY)).map_err(failed)?
         {
             return Err(failed(CommError::PeerLost {
                 rank: j,
@@ -319,22 +329,31 @@ fn accept_higher(
     Ok(slots)
 }
 
-/// Waits up to `wait` for a connection on `listener`, watching the connections already made;
-/// returns the rank of a peer that closed one.
+/// Waits up to `wait` for a connection on `listener`, watching the connections already made
+/// (accepted ones in `slots`, dialed ones in `dialed`); returns the rank of a peer that closed
+/// one.
 fn wait_for_dialers(
     listener: &TcpListener,
     slots: &[Vec<Option<TcpStream>>],
+    dialed: &Mutex<Vec<Vec<TcpStream>>>,
     wait: Duration,
 ) -> Result<Option<usize>> {
+    let dialed = dialed.lock().unwrap_or_else(PoisonError::into_inner);
+    let made = dialed
+        .iter()
+        .enumerate()
+        .flat_map(|(j, per_peer)| per_peer.iter().map(move |s| (j, s)));
+    let accepted = slots
+        .iter()
+        .enumerate()
+        .flat_map(|(j, per_peer)| per_peer.iter().flatten().map(move |s| (j, s)));
     let mut owners = Vec::new();
     let mut fds = vec![PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
-    for (j, per_peer) in slots.iter().enumerate() {
-        for s in per_peer.iter().flatten() {
-            // A peer's early data (it finished its own mesh and moved on) is not a hang-up:
-            // only the end of its stream is watched.
-            fds.push(PollFd::new(s.as_fd(), rdhup()));
-            owners.push(j);
-        }
+    for (j, s) in made.chain(accepted) {
+        // A peer's early data (it finished its own mesh and moved on) is not a hang-up: only
+        // the end of its stream is watched.
+        fds.push(PollFd::new(s.as_fd(), rdhup()));
+        owners.push(j);
     }
     let timeout =
         PollTimeout::try_from(wait.max(Duration::from_millis(1))).unwrap_or(PollTimeout::MAX);

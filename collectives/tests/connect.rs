@@ -143,6 +143,40 @@ fn a_peer_closing_its_connection_while_the_mesh_forms_fails_it_naming_the_peer()
     });
 }
 
+/// The same with the ranks' parts swapped: the rank that dies is the one dialed, and the
+/// survivor, which dialed it, notices while it waits for the third to dial in.
+#[test]
+fn a_lower_rank_closing_its_connection_while_the_mesh_forms_fails_it_naming_the_peer() {
+    let (ls, addrs) = listeners(&["127.0.0.1"; 3]);
+    let dying = AbortHandle::new();
+    let (tx, rx) = mpsc::channel();
+    thread::scope(|s| {
+        let (l0, l1, addrs) = (&ls[0], &ls[1], &addrs);
+        let dying0 = dying.clone();
+        s.spawn(move || {
+            let r = Communicator::connect_abortable(config(0, 3), l0, addrs, &dying0);
+            tx.send(r.map(|_| ())).expect("send");
+        });
+        let survivor = s.spawn(move || {
+            let r = Communicator::connect(config(1, 3), l1, addrs);
+            (r.map(|_| ()), Instant::now())
+        });
+        // By now rank 1 has dialed rank 0 and both wait for rank 2.
+        thread::sleep(Duration::from_millis(300));
+        let died = Instant::now();
+        dying.abort("killed");
+        let own = rx.recv_timeout(PROMPT).expect("the dying rank returns");
+        assert!(matches!(own, Err(CommError::Aborted { .. })), "{own:?}");
+        let (r, at) = survivor.join().expect("survivor");
+        let took = at.saturating_duration_since(died);
+        match r {
+            Err(CommError::PeerLost { rank: 0, .. }) => {}
+            other => panic!("rank 1 should have lost rank 0: {other:?}"),
+        }
+        assert!(took < PROMPT, "took {took:?}");
+    });
+}
+
 /// A small deterministic generator (xorshift), so a failing run can be replayed by its seed.
 struct Rng(u64);
 
