@@ -10,9 +10,11 @@ use crate::connect;
 use crate::error::{CommError, Result};
 use crate::link::{AbortHandle, LinkFailure, Shared};
 use crate::mailbox::{Mailbox, Remote};
-use crate::topology::{Hierarchy, host_groups};
+use crate::topology::{Hierarchy, eager_peers, host_groups};
 
-/// One rank's end of a group of ranks connected all-to-all, running collectives.
+/// One rank's end of a group of ranks, running collectives over TCP connections between
+/// them (every pair in a small world; in a large one the pairs the rounds need, the others
+/// on first use).
 ///
 /// Build one per membership with [`Communicator::connect`]; when membership changes (or a
 /// transport error breaks it), drop it and connect a new one: nothing is global, so a process
@@ -59,6 +61,9 @@ pub struct Communicator {
     /// The same-host reduce's staging memory, kept between calls so that a call neither
     /// allocates it nor faults it in again (8-byte words: aligned for every element type).
     pub(crate) staging: Vec<u64>,
+    /// This rank's listener for the pairs that connect on first use, in a world larger than
+    /// [`CommConfig::direct_open_max`].
+    pub(crate) later: Option<crate::lazy::Later>,
     /// Adasum's working buffers (two `Vec`s of the last element type it combined), kept
     /// between calls for the same reason.
     pub(crate) adasum: Option<Box<dyn std::any::Any + Send>>,
@@ -165,11 +170,13 @@ impl Communicator {
                 detail: format!("{} peer addresses for a world of {}", peers.len(), cfg.size),
             });
         }
+        let host_of = host_groups(peers);
+        let eager = eager_peers(cfg.rank, &host_of, cfg.direct_open_max);
+        let lazy = cfg.size > cfg.direct_open_max.max(1);
         let connect::Mesh {
             primary: streams,
             extra,
-        } = connect::mesh(&cfg, listener, peers, shared)?;
-        let host_of = host_groups(peers);
+        } = connect::mesh(&cfg, listener, peers, &eager, shared)?;
         let mailbox = Mailbox::new(cfg.small_bytes);
         let forced = cfg.hierarchical == Some(true) || cfg.hierarchical_allgather == Some(true);
         let wishes = u8::from(cfg.hierarchical != Some(false))
@@ -185,6 +192,10 @@ impl Communicator {
         // a large world), waiting no longer than the connecting may.
         let arrival = comm.cfg.arrival_timeout;
         comm.cfg.arrival_timeout = arrival.min(comm.cfg.connect_timeout);
+        if lazy {
+            comm.listen_for_later(listener, peers)
+                .map_err(|e| comm.fail(e))?;
+        }
         let agreed = crate::cma::negotiate(
             comm.rank(),
             &host_of,
@@ -293,6 +304,7 @@ impl Communicator {
             background: false,
             extra: (0..n).map(|_| Vec::new()).collect(),
             staging: Vec::new(),
+            later: None,
             adasum: None,
         }
     }
@@ -330,6 +342,12 @@ impl Communicator {
     /// explicitly: autotune holds such a knob off, as every rank's wish is needed to turn it on.
     pub fn hierarchy_refused(&self) -> (bool, bool) {
         self.hier_refused
+    }
+
+    /// How many peers this rank holds a connection to: every one in a small world; in a
+    /// large one those the rounds need, and the others once a call needed them.
+    pub fn connected_peers(&self) -> usize {
+        self.readers.iter().flatten().count()
     }
 
     /// Number of hosts (distinct addresses) the world spans.

@@ -1,7 +1,7 @@
-//! Building the full mesh of connections, with a handshake that authenticates every peer.
+//! Building the connections between ranks, with a handshake that authenticates every peer.
 //!
-//! Rank `i` connects to every lower rank and accepts from every higher one, `streams` times
-//! each. The connecting side sends a hello (protocol magic and version, its rank, the rank it
+//! Of each pair of ranks that connects, the higher dials and the lower accepts, `streams`
+//! times while the world forms (pairs connected on first use, once). The connecting side sends a hello (protocol magic and version, its rank, the rank it
 //! expects with the stream's index and the stream count, the rendezvous generation, and a fresh
 //! nonce); the accepting side answers one status byte, so a refused peer learns why. When the
 //! hello's numbers agree, both sides prove that they hold the job's token with `hvd-auth`'s
@@ -45,6 +45,8 @@ const CHECK_EVERY: Duration = Duration::from_millis(5);
 /// The pause before dialing a peer that refused again (its listener is bound before the
 /// addresses are exchanged, so a refusal is rare: a slow network, or a peer that is gone).
 const RETRY_EVERY: Duration = Duration::from_millis(10);
+/// How often accepting, with every higher rank in, checks whether the dialing thread is done.
+const DIALER_CHECK: Duration = Duration::from_millis(1);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -125,16 +127,17 @@ fn tune(s: &TcpStream) -> io::Result<()> {
     s.set_nonblocking(false)
 }
 
-/// The connections to every peer.
+/// The connections to the peers a mesh was built for.
 pub(crate) struct Mesh {
-    /// The first connection to each rank (`None` at this rank's own index): it carries every
-    /// opening and all but the ring's data.
+    /// The first connection to each rank (`None` at this rank's own index and where no
+    /// connection was wanted): it carries every opening and all but the ring's data.
     pub(crate) primary: Vec<Option<TcpStream>>,
-    /// The further connections to each rank (`streams - 1` of them; none at its own index).
+    /// The further connections to each rank (`streams - 1` of them where one is wanted).
     pub(crate) extra: Vec<Vec<TcpStream>>,
 }
 
-/// Connects to every peer, `cfg.streams` times each.
+/// Connects to every peer `wanted` names, `cfg.streams` times each (`wanted` must name the
+/// same pairs from both ends).
 ///
 /// Every socket is registered with `shared` as soon as it exists, so an abort (which shuts the
 /// registered sockets down) ends a blocked handshake at once; the waits between sockets check
@@ -145,37 +148,95 @@ pub(crate) fn mesh(
     cfg: &CommConfig,
     listener: &TcpListener,
     peers: &[SocketAddr],
+    wanted: &[bool],
     shared: &Shared,
 ) -> Result<Mesh> {
-    let built = build(cfg, listener, peers, shared);
+    let plan = Plan {
+        wanted,
+        within: cfg.connect_timeout,
+        watch: &[],
+        listening: false,
+    };
+    let built = build(cfg, listener, peers, &plan, shared);
     match (built, shared.abort_reason()) {
         (Err(_), Some(reason)) => Err(CommError::Aborted { reason }),
         (built, _) => built,
     }
 }
 
+/// Connects the pairs `wanted` names once a call needs them, one connection each, through
+/// the communicator's own listener for them (`peers` holds every rank's), waiting for the
+/// peers to arrive at that call up to `within`. Higher ranks may dial in meanwhile for a later
+/// call: they are admitted too, and returned with the rest. `watch` are the connections the
+/// communicator already has: one that closes (a peer died, or failed and shut its sockets)
+/// fails the wait at once.
+pub(crate) fn pairs(
+    cfg: &CommConfig,
+    listener: &TcpListener,
+    peers: &[SocketAddr],
+    wanted: &[bool],
+    watch: &[(usize, &TcpStream)],
+    within: Duration,
+    shared: &Shared,
+) -> Result<Vec<Option<TcpStream>>> {
+    let mut cfg = cfg.clone();
+    cfg.streams = 1;
+    let plan = Plan {
+        wanted,
+        within,
+        watch,
+        listening: true,
+    };
+    let built = build(&cfg, listener, peers, &plan, shared);
+    match (built, shared.abort_reason()) {
+        (Err(_), Some(reason)) => Err(CommError::Aborted { reason }),
+        (built, _) => built.map(|m| m.primary),
+    }
+}
+
+/// Which pairs a build connects, and how.
+struct Plan<'a> {
+    /// The peers this rank connects with (the higher ones dial in).
+    wanted: &'a [bool],
+    /// How long the whole build may take.
+    within: Duration,
+    /// Connections made before this build, watched for a peer that closes one.
+    watch: &'a [(usize, &'a TcpStream)],
+    /// Whether every peer's listener is known to be there already: a refused dial then means
+    /// the peer is gone, and is not tried again.
+    listening: bool,
+}
+
 fn build(
     cfg: &CommConfig,
     listener: &TcpListener,
     peers: &[SocketAddr],
+    plan: &Plan<'_>,
     shared: &Shared,
 ) -> Result<Mesh> {
-    let deadline = Instant::now() + cfg.connect_timeout;
+    let deadline = Instant::now() + plan.within;
+    let lower: Vec<usize> = (0..cfg.rank).filter(|&j| plan.wanted[j]).collect();
     // Dialing the lower ranks runs beside accepting the higher ones: a rank that accepted
     // only once its own dials were done held up every higher rank, a chain through the world.
     // Either side's failure stops the other. The connections dialed so far are watched with
     // the accepted ones while accepting waits, so a lower rank that dies is noticed at once.
     let stop = AtomicBool::new(false);
-    let done = Mutex::new(Vec::with_capacity(cfg.rank));
+    let done = Mutex::new(Vec::with_capacity(lower.len()));
+    let wait = Waiting {
+        plan,
+        dialed: &done,
+        dialing: AtomicBool::new(true),
+    };
     let (dialed, accepted) = thread::scope(|scope| {
         let dialer = scope.spawn(|| {
-            let dialed = dial_lower(cfg, peers, deadline, shared, &stop, &done);
-            if dialed.is_err() {
-                stop.store(true, Ordering::SeqCst);
+            let dialed = dial_lower(cfg, &lower, peers, deadline, shared, &stop, &wait);
+            match dialed {
+                Ok(()) => wait.dialing.store(false, Ordering::SeqCst),
+                Err(_) => stop.store(true, Ordering::SeqCst),
             }
             dialed
         });
-        let accepted = accept_higher(cfg, listener, peers, deadline, shared, &stop, &done);
+        let accepted = accept_higher(cfg, listener, peers, deadline, shared, &stop, &wait);
         if accepted.is_err() {
             stop.store(true, Ordering::SeqCst);
             // A dial blocked in its handshake ends when its socket is shut.
@@ -199,7 +260,7 @@ fn build(
         }
     };
     let dialed = done.into_inner().unwrap_or_else(PoisonError::into_inner);
-    for (j, per_peer) in dialed.into_iter().enumerate() {
+    for (j, per_peer) in dialed {
         slots[j] = per_peer.into_iter().map(Some).collect();
     }
     let mut primary = Vec::with_capacity(cfg.size);
@@ -212,6 +273,16 @@ fn build(
     Ok(Mesh { primary, extra })
 }
 
+/// What accepting waits for, and what it watches meanwhile.
+struct Waiting<'a> {
+    plan: &'a Plan<'a>,
+    /// The dialing thread's connections so far, by rank.
+    dialed: &'a Mutex<Vec<(usize, Vec<TcpStream>)>>,
+    /// Whether the dialing thread is still at work: accepting watches the connections until
+    /// it is done, even with every higher rank in.
+    dialing: AtomicBool,
+}
+
 /// Why accepting stopped before every higher rank was in.
 enum Stopped {
     /// The dialing side failed (it reports why).
@@ -219,29 +290,33 @@ enum Stopped {
     Failed(CommError),
 }
 
-/// Connects to every lower rank, `cfg.streams` times each, one after another, putting each
-/// rank's connections in `done` (rank j's at index j) as soon as they are made.
+/// Connects to the ranks `lower`, `cfg.streams` times each, one after another, putting each
+/// rank's connections in `done` as soon as they are made.
 fn dial_lower(
     cfg: &CommConfig,
+    lower: &[usize],
     peers: &[SocketAddr],
     deadline: Instant,
     shared: &Shared,
     stop: &AtomicBool,
-    done: &Mutex<Vec<Vec<TcpStream>>>,
+    wait: &Waiting<'_>,
 ) -> Result<()> {
-    for (j, addr) in peers.iter().enumerate().take(cfg.rank) {
+    let patient = !wait.plan.listening;
+    for &j in lower {
         let per_peer = (0..cfg.streams)
-            .map(|index| dial(cfg, j, index, *addr, deadline, shared, stop))
+            .map(|index| dial(cfg, j, index, peers[j], deadline, shared, stop, patient))
             .collect::<Result<Vec<_>>>()?;
-        done.lock()
+        wait.dialed
+            .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push(per_peer);
+            .push((j, per_peer));
     }
     Ok(())
 }
 
-/// Admits every higher rank's connections, `cfg.streams` each, into their slots (the lower
-/// ranks' slots stay empty).
+/// Admits the wanted higher ranks' connections, `cfg.streams` each, into their slots (the
+/// lower ranks' slots stay empty). Another higher rank's connection is admitted as well (it
+/// dialed for a later call); it is not waited for.
 fn accept_higher(
     cfg: &CommConfig,
     listener: &TcpListener,
@@ -249,7 +324,7 @@ fn accept_higher(
     deadline: Instant,
     shared: &Shared,
     stop: &AtomicBool,
-    dialed: &Mutex<Vec<Vec<TcpStream>>>,
+    wait: &Waiting<'_>,
 ) -> std::result::Result<Vec<Vec<Option<TcpStream>>>, Stopped> {
     let k = cfg.streams;
     let mut slots: Vec<Vec<Option<TcpStream>>> = (0..cfg.size)
@@ -259,8 +334,10 @@ fn accept_higher(
     listener
         .set_nonblocking(true)
         .map_err(|e| failed(io_err("listener", e)))?;
-    let mut missing = (cfg.size - cfg.rank - 1) * k;
-    while missing > 0 {
+    let higher = cfg.rank + 1..cfg.size;
+    let mut dialed = Vec::new();
+    let mut missing = higher.clone().filter(|&j| wait.plan.wanted[j]).count() * k;
+    while missing > 0 || wait.dialing.load(Ordering::SeqCst) {
         if let Some(reason) = shared.abort_reason() {
             return Err(failed(CommError::Aborted { reason }));
         }
@@ -268,30 +345,35 @@ fn accept_higher(
             return Err(Stopped::Halted);
         }
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            let waiting: Vec<usize> = (cfg.rank + 1..cfg.size)
-                .filter(|&j| slots[j].iter().any(Option::is_none))
-                .collect();
+        let waiting: Vec<usize> = higher
+            .clone()
+            .filter(|&j| wait.plan.wanted[j] && slots[j].iter().any(Option::is_none))
+            .collect();
+        // With every higher rank in, the dialing thread's own deadline names the late peer.
+        if let (true, Some(&late)) = (left.is_zero(), waiting.first()) {
             return Err(failed(CommError::Connect {
-                rank: waiting[0],
-                addr: peers
-                    .get(waiting[0])
-                    .map_or_else(String::new, |a| a.to_string()),
+                rank: late,
+                addr: peers.get(late).map_or_else(String::new, |a| a.to_string()),
                 detail: format!(
                     "ranks {waiting:?} did not connect within {:?}",
-                    cfg.connect_timeout
+                    wait.plan.within
                 ),
             }));
         }
-        if let Some(j) =
-            wait_for_dialers(listener, &slots, dialed, left.min(CHECK_EVERY)).map_err(failed)?
-        {
+        // With every higher rank in, only the dialing thread's end is waited for.
+        let pause = if missing > 0 {
+            CHECK_EVERY
+        } else {
+            DIALER_CHECK
+        };
+        let found = wait_for_dialers(listener, &slots, wait, &mut dialed, left.min(pause));
+        if let Some(j) = found.map_err(failed)? {
             return Err(failed(CommError::PeerLost {
                 rank: j,
                 op: "connect",
                 source: io::Error::new(
                     io::ErrorKind::ConnectionReset,
-                    "the peer closed its connection while the mesh was being built",
+                    "the peer closed its connection while connections were being made",
                 ),
             }));
         }
@@ -305,7 +387,9 @@ fn accept_higher(
                     match admit(cfg, &mut s) {
                         Ok((j, index)) if slots[j][index].is_none() => {
                             slots[j][index] = Some(s);
-                            missing -= 1;
+                            if wait.plan.wanted[j] {
+                                missing -= 1;
+                            }
                         }
                         Ok((j, index)) => {
                             shared.unregister(&s);
@@ -330,26 +414,42 @@ fn accept_higher(
 }
 
 /// Waits up to `wait` for a connection on `listener`, watching the connections already made
-/// (accepted ones in `slots`, dialed ones in `dialed`); returns the rank of a peer that closed
-/// one.
+/// (accepted ones in `slots`, those from before in `waiting`, and the dialing thread's, of
+/// which `dialed` keeps duplicates so that the thread never waits for a poll to end); returns
+/// the rank of a peer that closed one.
 fn wait_for_dialers(
     listener: &TcpListener,
     slots: &[Vec<Option<TcpStream>>],
-    dialed: &Mutex<Vec<Vec<TcpStream>>>,
+    waiting: &Waiting<'_>,
+    dialed: &mut Vec<(usize, TcpStream)>,
     wait: Duration,
 ) -> Result<Option<usize>> {
-    let dialed = dialed.lock().unwrap_or_else(PoisonError::into_inner);
-    let made = dialed
-        .iter()
-        .enumerate()
-        .flat_map(|(j, per_peer)| per_peer.iter().map(move |s| (j, s)));
+    {
+        let made = waiting
+            .dialed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let known = dialed.len();
+        for (j, s) in made
+            .iter()
+            .flat_map(|(j, per_peer)| per_peer.iter().map(move |s| (*j, s)))
+            .skip(known)
+        {
+            let copy = s
+                .try_clone()
+                .map_err(|e| io_err("watching a connection", e))?;
+            dialed.push((j, copy));
+        }
+    }
+    let made = dialed.iter().map(|(j, s)| (*j, s));
     let accepted = slots
         .iter()
         .enumerate()
         .flat_map(|(j, per_peer)| per_peer.iter().flatten().map(move |s| (j, s)));
+    let before = waiting.plan.watch.iter().copied();
     let mut owners = Vec::new();
     let mut fds = vec![PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
-    for (j, s) in made.chain(accepted) {
+    for (j, s) in made.chain(accepted).chain(before) {
         // A peer's early data (it finished its own mesh and moved on) is not a hang-up: only
         // the end of its stream is watched.
         fds.push(PollFd::new(s.as_fd(), rdhup()));
@@ -443,7 +543,9 @@ fn open(
     Ok(s)
 }
 
-/// Opens connection `index` to lower rank `j`, retrying while it is not yet listening.
+/// Opens connection `index` to lower rank `j`, retrying while it is not yet listening (when
+/// `patient`: a refusal from a listener known to be there means the peer is gone).
+#[allow(clippy::too_many_arguments)]
 fn dial(
     cfg: &CommConfig,
     j: usize,
@@ -452,6 +554,7 @@ fn dial(
     deadline: Instant,
     shared: &Shared,
     stop: &AtomicBool,
+    patient: bool,
 ) -> Result<TcpStream> {
     let fail = |detail: String| CommError::Connect {
         rank: j,
@@ -467,7 +570,7 @@ fn dial(
         }
         match open(addr, deadline, shared, stop) {
             Ok(s) => break s,
-            Err(e) if Instant::now() < deadline && !shared.is_aborted() => {
+            Err(e) if patient && Instant::now() < deadline && !shared.is_aborted() => {
                 tracing::debug!(peer = j, %addr, error = %e, "peer not reachable yet; retrying");
                 thread::sleep(RETRY_EVERY);
             }

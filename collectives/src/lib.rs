@@ -1,5 +1,5 @@
 //! Collective communication for hvd: allreduce, grouped allreduce, allgather, broadcast,
-//! alltoall, reducescatter and barrier over a full mesh of TCP connections.
+//! alltoall, reducescatter and barrier over TCP connections between ranks.
 //!
 //! A [`Communicator`] belongs to one membership. It is built from a listener this rank bound
 //! and the addresses of every rank; when membership changes it is dropped and a new one is
@@ -13,6 +13,7 @@
 //! - `pages`: whether this process's `malloc` honours the huge-page tunable;
 //! - `wire`: the descriptor that opens every collective (a pure codec);
 //! - `connect`: the authenticated mesh handshake;
+//! - `lazy`: the pairs of a large world that connect on first use;
 //! - `link`: sockets, abort, and the shut-everything-down path that turns a failure anywhere
 //!   into an error everywhere;
 //! - `pipeline`: the segment engine of the ring algorithms;
@@ -48,6 +49,7 @@ mod engine;
 mod error;
 mod fusion;
 mod hier_gather;
+mod lazy;
 mod link;
 mod mailbox;
 mod negotiation;

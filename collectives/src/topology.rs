@@ -35,6 +35,64 @@ pub(crate) fn host_groups(peers: &[SocketAddr]) -> Vec<usize> {
         .collect()
 }
 
+/// Every host's ranks, hosts numbered as in `host_of`, ranks ascending.
+fn groups(host_of: &[usize]) -> Vec<Vec<usize>> {
+    let hosts = host_of.iter().max().map_or(0, |&h| h + 1);
+    (0..hosts)
+        .map(|h| (0..host_of.len()).filter(|&r| host_of[r] == h).collect())
+        .collect()
+}
+
+/// Why the hosts' shape rules the hierarchy out, if it does: it needs several hosts, the same
+/// number of ranks on each, and more than one there.
+fn shape_refusal(groups: &[Vec<usize>]) -> Option<&'static str> {
+    let per_host = groups.first().map_or(0, Vec::len);
+    if groups.len() < 2 {
+        Some("the world spans one host")
+    } else if groups.iter().any(|g| g.len() != per_host) {
+        Some("hosts run different numbers of ranks")
+    } else if per_host < 2 {
+        Some("every host runs one rank")
+    } else {
+        None
+    }
+}
+
+/// The peers `rank` connects to while the world forms; the others connect on first use.
+///
+/// Up to `direct_max` ranks (where every call opens with a message to every peer), all of
+/// them. Beyond, what the rounds of a call need: the ring's neighbours `rank ± 1`, the
+/// openings' partners `rank ± 2^k` (which are also Adasum's and every halving scheme's), and
+/// where the hosts' shape allows the hierarchy, every rank of this host and the ranks in this
+/// rank's place on the other hosts: about `2 log2 n` peers, not `n - 1`. The relation is
+/// symmetric, so both ends of a pair agree on whether it connects now.
+pub(crate) fn eager_peers(rank: usize, host_of: &[usize], direct_max: usize) -> Vec<bool> {
+    let n = host_of.len();
+    if n <= direct_max.max(1) {
+        return (0..n).map(|p| p != rank).collect();
+    }
+    let mut eager = vec![false; n];
+    let mut step = 1;
+    while step < n {
+        eager[(rank + step) % n] = true;
+        eager[(rank + n - step) % n] = true;
+        step *= 2;
+    }
+    let groups = groups(host_of);
+    if shape_refusal(&groups).is_none() {
+        let mine = &groups[host_of[rank]];
+        let place = mine.iter().position(|&r| r == rank).unwrap_or(0);
+        for &p in mine {
+            eager[p] = true;
+        }
+        for g in &groups {
+            eager[g[place]] = true;
+        }
+    }
+    eager[rank] = false;
+    eager
+}
+
 impl Communicator {
     /// Sets up hierarchical allreduce when the world spans hosts with the same number (more
     /// than one) of ranks each, every host group could agree on same-host reads, and every rank
@@ -45,23 +103,14 @@ impl Communicator {
         agreed: &crate::cma::Agreement,
         forced: bool,
     ) -> Result<()> {
-        let hosts = host_of.iter().max().map_or(0, |&h| h + 1);
-        if hosts < 2 {
+        let groups = groups(host_of);
+        if groups.len() < 2 {
             return Ok(());
         }
-        let groups: Vec<Vec<usize>> = (0..hosts)
-            .map(|h| (0..host_of.len()).filter(|&r| host_of[r] == h).collect())
-            .collect();
-        let per_host = groups[0].len();
-        let why_not = if groups.iter().any(|g| g.len() != per_host) {
-            Some("hosts run different numbers of ranks")
-        } else if per_host < 2 {
-            Some("every host runs one rank")
-        } else if agreed.hierarchical & 3 == 0 {
-            Some("not every host could read its ranks' memory, or a rank disabled it")
-        } else {
-            None
-        };
+        let why_not = shape_refusal(&groups).or_else(|| {
+            (agreed.hierarchical & 3 == 0)
+                .then_some("not every host could read its ranks' memory, or a rank disabled it")
+        });
         if let Some(reason) = why_not {
             if forced {
                 tracing::warn!(
@@ -76,6 +125,9 @@ impl Communicator {
         let index = local_members.iter().position(|&r| r == me).unwrap_or(0);
         let cross_members: Vec<usize> = groups.iter().map(|g| g[index]).collect();
         let pids = local_members.iter().map(|&r| agreed.pids[r]).collect();
+        // Both are among the pairs connected while the world formed; these are no-ops then.
+        self.reach(local_members.iter().copied())?;
+        self.reach(cross_members.iter().copied())?;
         let mut local = self.sub(local_members, Some(pids))?;
         local.share_mailboxes().map_err(|source| CommError::Io {
             context: "exchanging mailboxes with the ranks of this host".into(),
@@ -107,13 +159,16 @@ impl Communicator {
         let mut streams = Vec::with_capacity(members.len());
         for &m in members {
             let s = match self.readers[m].as_ref() {
-                Some(s) if m != self.rank() => {
-                    Some(s.try_clone().map_err(|source| CommError::Io {
-                        context: "duplicating a socket for hierarchical allreduce".into(),
-                        source,
-                    })?)
+                Some(s) => Some(s.try_clone().map_err(|source| CommError::Io {
+                    context: "duplicating a socket for hierarchical allreduce".into(),
+                    source,
+                })?),
+                None if m == self.rank() => None,
+                None => {
+                    return Err(CommError::Broken {
+                        cause: format!("no connection to rank {m} of this rank's host or place"),
+                    });
                 }
-                _ => None,
             };
             streams.push(s);
         }
@@ -160,5 +215,88 @@ impl Communicator {
         self.mailbox = mailbox;
         self.mail = Some((remotes, limit));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Host layouts: one address, one rank per host, hosts of 4, and uneven hosts.
+    fn layouts(n: usize) -> Vec<Vec<usize>> {
+        vec![
+            vec![0; n],
+            (0..n).collect(),
+            (0..n).map(|r| r / 4).collect(),
+            (0..n).map(|r| r % 3).collect(),
+            (0..n).map(|r| usize::from(r * 3 >= n)).collect(),
+        ]
+    }
+
+    #[test]
+    fn both_ends_of_a_pair_agree_whether_it_connects_now() {
+        for n in 1..=70 {
+            for host_of in layouts(n) {
+                for direct in [1, 8] {
+                    let sets: Vec<Vec<bool>> =
+                        (0..n).map(|r| eager_peers(r, &host_of, direct)).collect();
+                    for (a, set) in sets.iter().enumerate() {
+                        assert!(!set[a], "n={n} rank {a} connects to itself");
+                        for (b, other) in sets.iter().enumerate() {
+                            assert_eq!(set[b], other[a], "n={n} {host_of:?} {a}-{b}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn small_worlds_connect_every_pair() {
+        for n in 1..=8 {
+            for r in 0..n {
+                let eager = eager_peers(r, &vec![0; n], 8);
+                assert_eq!(eager.iter().filter(|&&e| e).count(), n - 1);
+            }
+        }
+    }
+
+    #[test]
+    fn large_worlds_connect_the_rounds_partners_and_no_more() {
+        for n in [9usize, 12, 16, 33, 64, 100, 1024] {
+            let rounds = n.next_power_of_two().trailing_zeros() as usize;
+            for r in [0, 1, n / 2, n - 1] {
+                let eager = eager_peers(r, &(0..n).collect::<Vec<_>>(), 8);
+                let mut step = 1;
+                while step < n {
+                    assert!(
+                        eager[(r + step) % n] && eager[(r + n - step) % n],
+                        "n={n} r={r}"
+                    );
+                    step *= 2;
+                }
+                let count = eager.iter().filter(|&&e| e).count();
+                assert!(count <= 2 * rounds, "n={n} r={r}: {count} peers");
+            }
+        }
+    }
+
+    #[test]
+    fn hierarchical_worlds_connect_host_and_place_peers() {
+        // 5 hosts of 4 ranks, interleaved: rank r on host r % 5, place r / 5.
+        let host_of: Vec<usize> = (0..20).map(|r| r % 5).collect();
+        for r in 0..20 {
+            let eager = eager_peers(r, &host_of, 8);
+            for p in (0..20).filter(|&p| p != r) {
+                if host_of[p] == host_of[r] || p / 5 == r / 5 {
+                    assert!(eager[p], "rank {r} misses peer {p}");
+                }
+            }
+        }
+        // Uneven hosts rule the hierarchy out: only the rounds' partners (±16 is ∓4 here).
+        let host_of: Vec<usize> = (0..20).map(|r| usize::from(r >= 5)).collect();
+        let eager = eager_peers(0, &host_of, 8);
+        let partners: Vec<usize> = (0..20).filter(|&p| eager[p]).collect();
+        assert_eq!(partners, [1, 2, 4, 8, 12, 16, 18, 19]);
     }
 }

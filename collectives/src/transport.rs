@@ -48,6 +48,9 @@ impl Communicator {
     ) -> std::result::Result<Vec<usize>, (usize, std::io::Error)> {
         use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
         use std::os::fd::AsFd;
+        if let Some(&p) = peers.iter().find(|&&p| self.readers[p].is_none()) {
+            return Err((p, std::io::Error::other("no connection to this peer")));
+        }
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
@@ -130,6 +133,8 @@ impl Communicator {
                 return self.open_rounds(mine, d, payload, local, sink);
             }
         }
+        // A large world's pairs beyond the rounds' connect now, once.
+        self.reach(0..n)?;
         let invalid = local.is_err();
         let flag = |mut d: Descriptor| {
             if invalid {
@@ -150,9 +155,10 @@ impl Communicator {
                     debug_assert_eq!(d.payload_len, payload.len() as u64);
                     self.txbuf.extend_from_slice(payload);
                 }
-                if let Some(w) = self.writers[p].as_mut() {
-                    write_full(w, &self.txbuf).map_err(|e| LinkFailure::new(&self.shared, p, e))?;
-                }
+                let w = self.writers[p]
+                    .as_mut()
+                    .ok_or_else(|| unreached(&self.shared, p))?;
+                write_full(w, &self.txbuf).map_err(|e| LinkFailure::new(&self.shared, p, e))?;
             }
             Ok(())
         });
@@ -162,10 +168,7 @@ impl Communicator {
         let mut descs = vec![flag(mine); n];
         // Read descriptors in the order peers send them: a dead peer is noticed at once even
         // while another peer is slow to arrive (or stopped), instead of behind it.
-        let mut pending: Vec<usize> = (1..n)
-            .map(|k| (r + n - k) % n)
-            .filter(|&p| self.readers[p].is_some())
-            .collect();
+        let mut pending: Vec<usize> = (1..n).map(|k| (r + n - k) % n).collect();
         let deadline = std::time::Instant::now() + self.cfg.arrival_timeout;
         while !pending.is_empty() {
             let ready = match self.wait_readable(&pending, deadline) {
@@ -792,10 +795,13 @@ impl Communicator {
         sends: &[Option<&[u8]>],
         recvs: &mut [Option<&mut [u8]>],
     ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank());
+        // Both ends of a transfer name each other: the pairs of a large world that are not
+        // connected yet connect now, once.
+        self.reach((0..n).filter(|&p| sends[p].is_some() || recvs[p].is_some()))?;
         if let Err(f) = self.set_phase(Phase::Data) {
             return Err(self.link_error(f, op, Phase::Data));
         }
-        let (n, r) = (self.size(), self.rank());
         let shared = &*self.shared;
         let writers = &mut self.writers;
         let readers = &mut self.readers;
@@ -803,19 +809,24 @@ impl Communicator {
             let sender = scope.spawn(move || -> std::result::Result<(), LinkFailure> {
                 for k in 1..n {
                     let p = (r + k) % n;
-                    if let (Some(buf), Some(w)) = (sends[p], writers[p].as_mut()) {
-                        write_full(w, buf).map_err(|e| LinkFailure::new(shared, p, e))?;
-                    }
+                    let Some(buf) = sends[p] else { continue };
+                    let w = writers[p].as_mut().ok_or_else(|| unreached(shared, p))?;
+                    write_full(w, buf).map_err(|e| LinkFailure::new(shared, p, e))?;
                 }
                 Ok(())
             });
             let mut received = Ok(());
             for k in 1..n {
                 let p = (r + n - k) % n;
-                if let (Some(buf), Some(rd)) = (recvs[p].as_deref_mut(), readers[p].as_mut())
-                    && let Err(e) = read_full(rd, buf)
-                {
-                    received = Err(LinkFailure::new(shared, p, e));
+                let Some(buf) = recvs[p].as_deref_mut() else {
+                    continue;
+                };
+                let done = match readers[p].as_mut() {
+                    Some(rd) => read_full(rd, buf).map_err(|e| LinkFailure::new(shared, p, e)),
+                    None => Err(unreached(shared, p)),
+                };
+                if let Err(f) = done {
+                    received = Err(f);
                     break;
                 }
             }
@@ -834,6 +845,15 @@ impl Communicator {
         });
         res.map_err(|f| self.link_error(f, op, Phase::Data))
     }
+}
+
+/// The failure of a transfer to or from a peer this rank holds no connection to.
+fn unreached(shared: &crate::link::Shared, p: usize) -> LinkFailure {
+    LinkFailure::new(
+        shared,
+        p,
+        std::io::Error::other("no connection to this peer"),
+    )
 }
 
 /// Reads an inline payload into `dst` when it is what this rank expects, else drops it.

@@ -1,0 +1,148 @@
+//! Pairs of ranks that connect on first use.
+//!
+//! Beyond [`crate::CommConfig::direct_open_max`] ranks a world connects, while it forms, only
+//! the pairs its rounds need (`topology::eager_peers`: about `2 log2 n` a rank), so that a
+//! rebuild grows with the world and not with its square. A call that needs another pair
+//! (alltoall, a large allgather over TCP) connects it then, once, through a listener of the
+//! communicator's own: its connections never meet another communicator's (a process set's,
+//! the next round's) on the rank's listener, where they would be refused as strangers.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::OwnedFd;
+
+use crate::comm::Communicator;
+use crate::error::{CommError, Result};
+
+/// This rank's listener for pairs connected on first use, and where every rank's is.
+#[derive(Debug)]
+pub(crate) struct Later {
+    listener: TcpListener,
+    addrs: Vec<SocketAddr>,
+}
+
+/// Binds a listener on `ip` (any port) whose queue holds a dial from every rank of a world of
+/// `size`, so that a call every rank makes at once (alltoall) does not overflow it.
+fn bind(ip: std::net::IpAddr, size: usize) -> std::io::Result<TcpListener> {
+    use nix::sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, bind, listen, socket,
+    };
+    let addr = SocketAddr::new(ip, 0);
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd: OwnedFd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrStorage::from(addr),
+    )?;
+    let queue = i32::try_from(size.clamp(128, 4096)).unwrap_or(4096);
+    listen(&fd, Backlog::new(queue).unwrap_or(Backlog::MAXCONN))?;
+    Ok(TcpListener::from(fd))
+}
+
+impl Communicator {
+    /// Binds this rank's listener for later pairs beside `listener` (on its address) and
+    /// learns every rank's: ranks listen where `peers` says, on the port each one gathered.
+    pub(crate) fn listen_for_later(
+        &mut self,
+        listener: &TcpListener,
+        peers: &[SocketAddr],
+    ) -> Result<()> {
+        let io = |context: &str| {
+            let context = context.to_string();
+            move |source| CommError::Io { context, source }
+        };
+        let ip = listener
+            .local_addr()
+            .map_err(io("the listener's address"))?
+            .ip();
+        let own = bind(ip, self.size()).map_err(io("binding the listener for later pairs"))?;
+        let port = own
+            .local_addr()
+            .map_err(io("the later pairs' listener's address"))?
+            .port();
+        let ports = self.gather_small(&port.to_le_bytes())?;
+        let addrs = peers
+            .iter()
+            .zip(&ports)
+            .map(|(p, port)| match port[..] {
+                [a, b] => Ok(SocketAddr::new(p.ip(), u16::from_le_bytes([a, b]))),
+                _ => Err(CommError::Protocol {
+                    rank: 0,
+                    detail: format!("a listener's port in {} bytes", port.len()),
+                }),
+            })
+            .collect::<Result<_>>()?;
+        self.later = Some(Later {
+            listener: own,
+            addrs,
+        });
+        Ok(())
+    }
+
+    /// Connects this rank to those of `peers` it has no connection to yet. Every rank this
+    /// names must name this rank at the same point of its calls (the pair connects only when
+    /// both ends are there), as the calls that need every peer do; a peer that is not there
+    /// within the arrival timeout fails the call, as it would the call's own wait for it.
+    pub(crate) fn reach(&mut self, peers: impl IntoIterator<Item = usize>) -> Result<()> {
+        let (n, r) = (self.size(), self.rank());
+        let mut wanted = vec![false; n];
+        let mut any = false;
+        for p in peers {
+            if p < n && p != r && self.readers[p].is_none() {
+                wanted[p] = true;
+                any = true;
+            }
+        }
+        if !any {
+            return Ok(());
+        }
+        let Some(later) = self.later.as_ref() else {
+            let p = wanted.iter().position(|&w| w).unwrap_or(0);
+            return Err(self.fail(CommError::Broken {
+                cause: format!("no connection to rank {p}, and none can be made later"),
+            }));
+        };
+        let watch: Vec<(usize, &TcpStream)> = self
+            .readers
+            .iter()
+            .enumerate()
+            .filter_map(|(p, s)| s.as_ref().map(|s| (p, s)))
+            .collect();
+        let made = crate::connect::pairs(
+            &self.cfg,
+            &later.listener,
+            &later.addrs,
+            &wanted,
+            &watch,
+            self.cfg.arrival_timeout,
+            &self.shared,
+        );
+        let made = match made {
+            Ok(made) => made,
+            Err(e) => return Err(self.fail(e)),
+        };
+        for (p, s) in made.into_iter().enumerate() {
+            let Some(s) = s else { continue };
+            if self.readers[p].is_some() {
+                continue;
+            }
+            let w = match s.try_clone() {
+                Ok(w) => w,
+                Err(source) => {
+                    let e = CommError::Io {
+                        context: "duplicating a socket".into(),
+                        source,
+                    };
+                    return Err(self.fail(e));
+                }
+            };
+            tracing::debug!(rank = r, peer = p, "connected on first use");
+            self.readers[p] = Some(s);
+            self.writers[p] = Some(w);
+        }
+        Ok(())
+    }
+}
