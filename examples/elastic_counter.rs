@@ -87,6 +87,8 @@ fn main() -> anyhow::Result<()> {
         "cross_rank": var("HOROVOD_CROSS_RANK"), "cross_size": var("HOROVOD_CROSS_SIZE"),
         "hostname": var("HOROVOD_HOSTNAME"),
     }}));
+    // hvd's own log on stderr, at `RUST_LOG` or `HOROVOD_LOG_LEVEL` (warnings by default).
+    hvd::install_logging("warn").context("hvd's log settings")?;
     hvd::init().context("hvd::init")?;
     let mut state = State::new(Object(Counter::default()));
     let mut calls = 0u64;

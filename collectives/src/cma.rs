@@ -80,6 +80,8 @@ pub(crate) struct Agreement {
     /// The cores this machine's ranks run on, the same number on every one of them (see
     /// [`shared_cores`]).
     pub(crate) cores: usize,
+    /// Every rank's [`Offer::rider`], by rank.
+    pub(crate) riders: Vec<Vec<u8>>,
 }
 
 /// What one rank offers to the cores count: the CPUs it may run on (affinity mask) and how many
@@ -179,26 +181,42 @@ pub(crate) fn write_remote(pid: Pid, addr: usize, data: &[u8]) -> io::Result<()>
     Ok(())
 }
 
+/// What one rank brings to the agreement on same-host transfers.
+pub(crate) struct Offer<'a> {
+    /// This rank's own setting: one rank that disables same-host reads disables them for
+    /// every group it belongs to.
+    pub(crate) enabled: bool,
+    /// This rank's wish for hierarchical collectives (bit 0 allreduce, bit 1 allgather; bit
+    /// 2: allgather not refused); each needs every rank's.
+    pub(crate) hierarchical: u8,
+    /// This rank's mailbox for small messages.
+    pub(crate) mailbox: &'a crate::mailbox::Mailbox,
+    /// This rank's part of the machine's core count ([`shared_cores`]).
+    pub(crate) cores: CoreOffer,
+    /// Bytes of the communicator's own that travel with the record (the same length on every
+    /// rank); every rank's come back in [`Agreement::riders`].
+    pub(crate) rider: &'a [u8],
+}
+
 /// Agrees with every peer which ranks can use cross-memory attach. `host_of[j]` is rank `j`'s
 /// host group (ranks listening on one address form one host, so that one machine can play
-/// several hosts); `enabled` is this rank's own setting, and one rank that disables it
-/// disables it for every group it belongs to. `hierarchical` is this rank's wish for
-/// hierarchical collectives (bit 0 allreduce, bit 1 allgather; bit 2: allgather not refused);
-/// each needs every rank's. `offer` is this rank's part of the machine's core count
-/// ([`shared_cores`]). `gather` hands every rank the bytes each rank gave it (by rank): it is
-/// called twice, with this rank's record, then with its verdict and wishes.
+/// several hosts); `hierarchy_fits` says whether the hosts' shape allows the hierarchy at all.
+/// `gather` hands every rank the bytes each rank gave it (by rank): it is called with this
+/// rank's record, then with its verdict and wishes, unless neither can matter: the world
+/// spans several hosts and the hierarchy does not fit, so same-host reads serve no path.
 pub(crate) fn negotiate(
     rank: usize,
     host_of: &[usize],
-    enabled: bool,
-    hierarchical: u8,
-    mailbox: &crate::mailbox::Mailbox,
-    offer: CoreOffer,
+    hierarchy_fits: bool,
+    own: &Offer<'_>,
     mut gather: impl FnMut(&[u8]) -> Result<Vec<Vec<u8>>>,
 ) -> Result<Agreement> {
+    let (enabled, hierarchical, mailbox, offer) =
+        (own.enabled, own.hierarchical, own.mailbox, own.cores);
     let n = host_of.len();
     let me = boot_id();
-    let mut record = [0u8; RECORD];
+    let mut record = vec![0u8; RECORD + own.rider.len()];
+    record[RECORD..].copy_from_slice(own.rider);
     record[..4].copy_from_slice(&std::process::id().to_le_bytes());
     record[4..12].copy_from_slice(&(std::ptr::addr_of!(PROBE) as u64).to_le_bytes());
     if let Some(b) = me {
@@ -206,9 +224,9 @@ pub(crate) fn negotiate(
     }
     let own = mailbox.remote();
     record[MAILBOX_AT..OFFER_AT].copy_from_slice(&own.encode());
-    offer.encode(&mut record[OFFER_AT..]);
+    offer.encode(&mut record[OFFER_AT..RECORD]);
     let records = gather(&record)?;
-    if let Some(j) = (0..n).find(|&j| records.get(j).is_none_or(|r| r.len() != RECORD)) {
+    if let Some(j) = (0..n).find(|&j| records.get(j).is_none_or(|r| r.len() != record.len())) {
         let detail = "its same-host record has another length".to_string();
         return Err(CommError::Protocol { rank: j, detail });
     }
@@ -217,6 +235,9 @@ pub(crate) fn negotiate(
     let mut machine_ranks = 1;
     let mut pids = vec![Pid::from_raw(0); n];
     pids[rank] = Pid::this();
+    let one_host = host_of.iter().all(|&h| h == host_of[rank]);
+    // No path reads a peer's memory: nothing to probe, no verdicts to gather.
+    let settled = !one_host && !hierarchy_fits;
     // Bit 0: this rank can read every peer; bit 1: every peer of its own host group.
     let mut can = [enabled && me.is_some(); 2];
     for (j, theirs) in records.iter().enumerate().filter(|&(j, _)| j != rank) {
@@ -228,9 +249,9 @@ pub(crate) fn negotiate(
         let same_host = host_of[j] == host_of[rank];
         if me.is_some_and(|b| b[..] == theirs[12..48]) {
             machine_ranks += 1;
-            offers.push(CoreOffer::decode(&theirs[OFFER_AT..]));
+            offers.push(CoreOffer::decode(&theirs[OFFER_AT..RECORD]));
         }
-        if !(can[0] || (same_host && can[1])) {
+        if settled || !(can[0] || (same_host && can[1])) {
             continue;
         }
         let readable = me.is_some_and(|b| b[..] == theirs[12..48]) && {
@@ -243,6 +264,18 @@ pub(crate) fn negotiate(
             can[1] &= readable;
         }
     }
+    let riders = records.iter().map(|r| r[RECORD..].to_vec()).collect();
+    if settled {
+        return Ok(Agreement {
+            pids,
+            world: false,
+            hierarchical: 0,
+            mailboxes,
+            machine_ranks,
+            cores: shared_cores(&offers),
+            riders,
+        });
+    }
     // Every rank's verdict with the hierarchical paths it wants (bits 2-4) decides the rest.
     // Same-host reads hold within a host group where every member of it can; the hierarchy
     // needs that on every host, and is then what every rank wants.
@@ -252,7 +285,6 @@ pub(crate) fn negotiate(
         let detail = "its same-host verdict has another length".to_string();
         return Err(CommError::Protocol { rank: j, detail });
     }
-    let one_host = host_of.iter().all(|&h| h == host_of[rank]);
     let (mut world, mut every_host, mut all) = (one_host, true, 7u8);
     for v in verdicts.iter().map(|v| v[0]) {
         world &= v & 1 == 1;
@@ -266,6 +298,7 @@ pub(crate) fn negotiate(
         mailboxes,
         machine_ranks,
         cores: shared_cores(&offers),
+        riders,
     })
 }
 

@@ -10,7 +10,7 @@ use crate::connect;
 use crate::error::{CommError, Result};
 use crate::link::{AbortHandle, LinkFailure, Shared};
 use crate::mailbox::{Mailbox, Remote};
-use crate::topology::{Hierarchy, eager_peers, host_groups};
+use crate::topology::{Hierarchy, eager_peers, hierarchy_fits, host_groups};
 
 /// One rank's end of a group of ranks, running collectives over TCP connections between
 /// them (every pair in a small world; in a large one the pairs the rounds need, the others
@@ -170,6 +170,7 @@ impl Communicator {
                 detail: format!("{} peer addresses for a world of {}", peers.len(), cfg.size),
             });
         }
+        let started = std::time::Instant::now();
         let host_of = host_groups(peers);
         let eager = eager_peers(cfg.rank, &host_of, cfg.direct_open_max);
         let lazy = cfg.size > cfg.direct_open_max.max(1);
@@ -177,12 +178,12 @@ impl Communicator {
             primary: streams,
             extra,
         } = connect::mesh(&cfg, listener, peers, &eager, shared)?;
+        let meshed = started.elapsed();
         let mailbox = Mailbox::new(cfg.small_bytes);
         let forced = cfg.hierarchical == Some(true) || cfg.hierarchical_allgather == Some(true);
         let wishes = u8::from(cfg.hierarchical != Some(false))
             | (u8::from(cfg.hierarchical_allgather == Some(true)) << 1)
             | (u8::from(cfg.hierarchical_allgather != Some(false)) << 2);
-        let (enabled, offer) = (cfg.same_host_copy, crate::cma::CoreOffer::own(cfg.cores));
         // The communicator registers its own duplicates of the sockets (an abort from here on
         // reaches them through those).
         shared.forget_streams();
@@ -192,20 +193,30 @@ impl Communicator {
         // a large world), waiting no longer than the connecting may.
         let arrival = comm.cfg.arrival_timeout;
         comm.cfg.arrival_timeout = arrival.min(comm.cfg.connect_timeout);
-        if lazy {
-            comm.listen_for_later(listener, peers)
-                .map_err(|e| comm.fail(e))?;
-        }
-        let agreed = crate::cma::negotiate(
-            comm.rank(),
-            &host_of,
-            enabled,
-            wishes,
-            &mailbox,
-            offer,
-            |item| comm.gather_small(item),
-        )
+        // In a large world the listener for later pairs is bound now; its port travels with
+        // the agreement's record.
+        let later = if lazy {
+            Some(crate::lazy::bind_beside(listener, comm.size()).map_err(|e| comm.fail(e))?)
+        } else {
+            None
+        };
+        let port = later.as_ref().map(|(_, port)| port.to_le_bytes());
+        let own = crate::cma::Offer {
+            enabled: comm.cfg.same_host_copy,
+            hierarchical: wishes,
+            mailbox: &mailbox,
+            cores: crate::cma::CoreOffer::own(comm.cfg.cores),
+            rider: port.as_ref().map_or(&[][..], |p| &p[..]),
+        };
+        let fits = hierarchy_fits(&host_of);
+        let agreed = crate::cma::negotiate(comm.rank(), &host_of, fits, &own, |item| {
+            comm.gather_small(item)
+        })
         .map_err(|e| comm.fail(e))?;
+        if let Some((own, _)) = later {
+            let later = crate::lazy::Later::new(own, peers, &agreed.riders);
+            comm.later = Some(later.map_err(|e| comm.fail(e))?);
+        }
         comm.cfg.arrival_timeout = arrival;
         comm.cma = agreed.world.then(|| agreed.pids.clone());
         comm.mailbox = mailbox;
@@ -227,6 +238,9 @@ impl Communicator {
             size = comm.size(),
             same_host_copy = comm.cma.is_some(),
             hierarchical = comm.hier.is_some(),
+            peers = comm.connected_peers(),
+            ?meshed,
+            agreed = ?started.elapsed().saturating_sub(meshed),
             "communicator connected"
         );
         Ok(comm)

@@ -33,7 +33,7 @@ use crate::error::{CommError, Result};
 use crate::link::{Shared, read_full};
 
 const HELLO_MAGIC: u32 = 0x4856_4448; // "HVDH"
-const PROTOCOL_VERSION: u8 = 6;
+const PROTOCOL_VERSION: u8 = 7;
 /// Bytes of a hello: magic, version, from, to, generation, nonce.
 const HELLO_LEN: usize = 4 + 1 + 4 + 4 + 8 + NONCE_BYTES;
 /// The hello's `to` word: the rank in the low 24 bits, the stream's index in the next 4, the

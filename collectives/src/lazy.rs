@@ -8,7 +8,7 @@
 //! the next round's) on the rank's listener, where they would be refused as strangers.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 
 use crate::comm::Communicator;
 use crate::error::{CommError, Result};
@@ -20,68 +20,70 @@ pub(crate) struct Later {
     addrs: Vec<SocketAddr>,
 }
 
-/// Binds a listener on `ip` (any port) whose queue holds a dial from every rank of a world of
-/// `size`, so that a call every rank makes at once (alltoall) does not overflow it.
-fn bind(ip: std::net::IpAddr, size: usize) -> std::io::Result<TcpListener> {
+/// Binds this rank's listener for later pairs on the address of `listener` (any port), its
+/// queue long enough for a dial from every rank of a world of `size`, so that a call every
+/// rank makes at once (alltoall) does not overflow it. Returns it with its port.
+pub(crate) fn bind_beside(listener: &TcpListener, size: usize) -> Result<(TcpListener, u16)> {
     use nix::sys::socket::{
         AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, bind, listen, socket,
     };
-    let addr = SocketAddr::new(ip, 0);
+    let io = |context: &'static str| {
+        move |source: std::io::Error| CommError::Io {
+            context: context.into(),
+            source,
+        }
+    };
+    let addr = SocketAddr::new(
+        listener
+            .local_addr()
+            .map_err(io("the listener's address"))?
+            .ip(),
+        0,
+    );
     let family = if addr.is_ipv4() {
         AddressFamily::Inet
     } else {
         AddressFamily::Inet6
     };
-    let fd: OwnedFd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
-    bind(
-        std::os::fd::AsRawFd::as_raw_fd(&fd),
-        &SockaddrStorage::from(addr),
-    )?;
-    let queue = i32::try_from(size.clamp(128, 4096)).unwrap_or(4096);
-    listen(&fd, Backlog::new(queue).unwrap_or(Backlog::MAXCONN))?;
-    Ok(TcpListener::from(fd))
+    let bound = (|| -> std::io::Result<TcpListener> {
+        let fd: OwnedFd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+        bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))?;
+        let queue = i32::try_from(size.clamp(128, 4096)).unwrap_or(4096);
+        listen(&fd, Backlog::new(queue).unwrap_or(Backlog::MAXCONN))?;
+        Ok(TcpListener::from(fd))
+    })()
+    .map_err(io("binding the listener for later pairs"))?;
+    let port = bound
+        .local_addr()
+        .map_err(io("the later pairs' listener's address"))?
+        .port();
+    Ok((bound, port))
 }
 
-impl Communicator {
-    /// Binds this rank's listener for later pairs beside `listener` (on its address) and
-    /// learns every rank's: ranks listen where `peers` says, on the port each one gathered.
-    pub(crate) fn listen_for_later(
-        &mut self,
-        listener: &TcpListener,
-        peers: &[SocketAddr],
-    ) -> Result<()> {
-        let io = |context: &str| {
-            let context = context.to_string();
-            move |source| CommError::Io { context, source }
-        };
-        let ip = listener
-            .local_addr()
-            .map_err(io("the listener's address"))?
-            .ip();
-        let own = bind(ip, self.size()).map_err(io("binding the listener for later pairs"))?;
-        let port = own
-            .local_addr()
-            .map_err(io("the later pairs' listener's address"))?
-            .port();
-        let ports = self.gather_small(&port.to_le_bytes())?;
+impl Later {
+    /// This rank's listener `own` and every rank's: rank `j` listens on the address in
+    /// `peers[j]`, at the port in `ports[j]` (two bytes, as every rank gathered them).
+    pub(crate) fn new(own: TcpListener, peers: &[SocketAddr], ports: &[Vec<u8>]) -> Result<Self> {
         let addrs = peers
             .iter()
-            .zip(&ports)
-            .map(|(p, port)| match port[..] {
+            .zip(ports)
+            .enumerate()
+            .map(|(j, (p, port))| match port[..] {
                 [a, b] => Ok(SocketAddr::new(p.ip(), u16::from_le_bytes([a, b]))),
                 _ => Err(CommError::Protocol {
-                    rank: 0,
-                    detail: format!("a listener's port in {} bytes", port.len()),
+                    rank: j,
+                    detail: format!("its listener's port in {} bytes", port.len()),
                 }),
             })
             .collect::<Result<_>>()?;
-        self.later = Some(Later {
+        Ok(Self {
             listener: own,
             addrs,
-        });
-        Ok(())
+        })
     }
+}
 
+impl Communicator {
     /// Connects this rank to those of `peers` it has no connection to yet. Every rank this
     /// names must name this rank at the same point of its calls (the pair connects only when
     /// both ends are there), as the calls that need every peer do; a peer that is not there

@@ -58,6 +58,11 @@ fn shape_refusal(groups: &[Vec<usize>]) -> Option<&'static str> {
     }
 }
 
+/// Whether the hosts' shape allows the hierarchy (see [`Communicator::split_hosts`]).
+pub(crate) fn hierarchy_fits(host_of: &[usize]) -> bool {
+    shape_refusal(&groups(host_of)).is_none()
+}
+
 /// The peers `rank` connects to while the world forms; the others connect on first use.
 ///
 /// Up to `direct_max` ranks (where every call opens with a message to every peer), all of
@@ -78,8 +83,8 @@ pub(crate) fn eager_peers(rank: usize, host_of: &[usize], direct_max: usize) -> 
         eager[(rank + n - step) % n] = true;
         step *= 2;
     }
-    let groups = groups(host_of);
-    if shape_refusal(&groups).is_none() {
+    if hierarchy_fits(host_of) {
+        let groups = groups(host_of);
         let mine = &groups[host_of[rank]];
         let place = mine.iter().position(|&r| r == rank).unwrap_or(0);
         for &p in mine {

@@ -22,7 +22,7 @@ use proptest::prelude::*;
 
 const TOKEN: &str = "test-secret";
 const MAGIC: u32 = 0x4856_4448;
-const VERSION: u8 = 6;
+const VERSION: u8 = 7;
 /// Rank 0's `to` word for the first of one stream.
 const TO_RANK0: u32 = 1 << 28;
 const HELLO_LEN: usize = 37;
