@@ -30,8 +30,9 @@ pub struct CommConfig {
     /// Worlds up to this many ranks open every call with one message from every rank to every
     /// other (one hop, n − 1 messages a rank); larger ones in ⌈log2 n⌉ rounds of one message
     /// (Bruck's allgather), so a call's opening grows with the log of the world, not with it.
-    /// Calls that send each peer something else (alltoall) always open directly. Every rank
-    /// must use the same number.
+    /// Calls that send each peer something else (alltoall) always open directly. Up to this
+    /// many ranks every pair of ranks connects while the world forms; beyond, only the pairs
+    /// the rounds need, and the others on first use. Every rank must use the same number.
     pub direct_open_max: usize,
     /// Whether ranks that all run on one host read each other's buffers directly
     /// (cross-memory attach) instead of sending them over TCP. Every rank must allow it.
