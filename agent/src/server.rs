@@ -34,6 +34,7 @@ use crate::auth;
 use crate::lines::{Line, LineReader};
 use crate::proto::{FromAgent, Held, Stream, ToAgent};
 use crate::{dying, net, reaper};
+use hvd_auth::refusals::Refused;
 
 /// How long a new connection has to answer the challenge.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
@@ -66,6 +67,9 @@ pub struct Limits {
     pub connections: usize,
     /// Connections still authenticating at once; more are refused as they arrive.
     pub unauthenticated: usize,
+    /// How often the refusals not logged one by one (all but the first of each address and
+    /// reason) are logged as counts.
+    pub refusal_summary: Duration,
 }
 
 impl Default for Limits {
@@ -73,9 +77,13 @@ impl Default for Limits {
         Self {
             connections: 256,
             unauthenticated: 16,
+            refusal_summary: hvd_auth::refusals::SUMMARY_EVERY,
         }
     }
 }
+
+/// The agent's refusals, shared by its connections.
+type SharedRefusals = Arc<Mutex<hvd_auth::refusals::Refusals>>;
 
 /// Serves driver connections on `listener` until `shutdown` completes; then stops every
 /// process of every connection and returns. [`Limits::default`] bounds the connections.
@@ -97,10 +105,21 @@ pub async fn serve_with_limits(
     let mut full_warned = false;
     let jobs = Jobs::default();
     let mut conns = JoinSet::new();
+    let refusals: SharedRefusals = Arc::new(Mutex::new(hvd_auth::refusals::Refusals::new(
+        limits.refusal_summary,
+    )));
+    let mut summaries =
+        tokio::time::interval(hvd_auth::refusals::SUMMARY_CHECK.min(limits.refusal_summary));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             () = &mut shutdown => break,
+            _ = summaries.tick() => {
+                refusals
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .log_summary("driver", std::time::Instant::now());
+            }
             acc = listener.accept() => match acc {
                 Ok((stream, peer)) => match open.clone().try_acquire_owned() {
                     Ok(slot) => {
@@ -111,6 +130,7 @@ pub async fn serve_with_limits(
                             secret.clone(),
                             (stop_rx.clone(), jobs.clone()),
                             (slot, authenticating.clone()),
+                            refusals.clone(),
                         ));
                     }
                     Err(_) => {
@@ -133,6 +153,10 @@ pub async fn serve_with_limits(
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
         }
     }
+    refusals
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .log_rest("driver");
     tracing::info!(
         connections = conns.len(),
         "shutting down: stopping every process"
@@ -410,6 +434,7 @@ async fn connection(
     secret: Arc<String>,
     (mut stop, jobs): (watch::Receiver<bool>, Jobs),
     (_open, authenticating): Slots,
+    refusals: SharedRefusals,
 ) {
     let _ = stream.set_nodelay(true);
     if let Err(e) = net::keepalive(&stream) {
@@ -421,11 +446,17 @@ async fn connection(
     let mut reader = LineReader::new(r);
     let refused = match authenticating.try_acquire_owned() {
         Ok(_slot) => handshake(&mut reader, &out, &secret).await.err(),
-        Err(_) => Some("too many connections authenticating at once; try again".to_string()),
+        Err(_) => Some(Refused::new(
+            "busy",
+            "too many connections authenticating at once; try again",
+        )),
     };
-    if let Some(reason) = refused {
-        tracing::warn!(%peer, %reason, "driver connection refused");
-        let _ = out.send(FromAgent::Refused { reason }).await;
+    if let Some(Refused { reason, detail }) = refused {
+        refusals
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .log("driver", peer, reason, &detail);
+        let _ = out.send(FromAgent::Refused { reason: detail }).await;
         drop(out);
         let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
         return;
@@ -580,42 +611,46 @@ async fn handshake(
     reader: &mut LineReader<OwnedReadHalf>,
     out: &mpsc::Sender<FromAgent>,
     secret: &str,
-) -> Result<(), String> {
+) -> Result<(), Refused> {
+    let closed = |_| Refused::new("silent", "connection closed");
     let hs = auth::Handshake::new(secret, auth::CONTEXT, auth::Role::Listener)
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Refused::new("io", e.to_string()))?;
     out.send(FromAgent::Challenge {
         nonce: hs.nonce().to_hex(),
     })
     .await
-    .map_err(|_| "connection closed".to_string())?;
+    .map_err(closed)?;
     let line = tokio::time::timeout(AUTH_TIMEOUT, reader.next(AUTH_MAX_LINE))
         .await
-        .map_err(|_| format!("no answer to the challenge within {AUTH_TIMEOUT:?}"))?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| {
+            let detail = format!("no answer to the challenge within {AUTH_TIMEOUT:?}");
+            Refused::new("silent", detail)
+        })?
+        .map_err(|e| Refused::new("io", e.to_string()))?;
     let buf = match line {
         Line::Full(buf) => buf,
-        Line::Eof => return Err("closed before authenticating".into()),
+        Line::Eof => return Err(Refused::new("silent", "closed before authenticating")),
         Line::TooLong(_) => {
-            return Err(format!(
-                "a line longer than {AUTH_MAX_LINE} bytes before authentication"
-            ));
+            let detail = format!("a line longer than {AUTH_MAX_LINE} bytes before authentication");
+            return Err(Refused::new("too_long", detail));
         }
     };
+    let garbage = |detail: String| Refused::new("not_auth", detail);
     let (mac, theirs) = match decode_line::<ToAgent>(buf) {
         Ok(ToAgent::Auth { mac, nonce }) => (mac, nonce),
-        Ok(_) => return Err("a request before authentication".into()),
-        Err(e) => return Err(format!("bad authentication message: {e}")),
+        Ok(_) => return Err(garbage("a request before authentication".into())),
+        Err(e) => return Err(garbage(format!("bad authentication message: {e}"))),
     };
-    let theirs = auth::Nonce::from_hex(&theirs).map_err(|e| format!("driver {e}"))?;
-    let proof = auth::Tag::from_hex(&mac).map_err(|e| format!("driver {e}"))?;
+    let theirs = auth::Nonce::from_hex(&theirs).map_err(|e| garbage(format!("driver {e}")))?;
+    let proof = auth::Tag::from_hex(&mac).map_err(|e| garbage(format!("driver {e}")))?;
     if hs.verify(&theirs, &proof).is_err() {
-        return Err("wrong secret".into());
+        return Err(Refused::new("wrong_secret", "wrong secret"));
     }
     out.send(FromAgent::Welcome {
         mac: hs.proof(&theirs).to_hex(),
     })
     .await
-    .map_err(|_| "connection closed".to_string())
+    .map_err(closed)
 }
 
 async fn request(req: ToAgent, session: &mut Session, out: &mpsc::Sender<FromAgent>) {

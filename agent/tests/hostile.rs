@@ -251,16 +251,38 @@ proptest! {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let (addr, _stop) = agent().await;
+            let mut froms = Vec::new();
             for s in &strangers {
                 let (back, from) = knock(&addr, s).await;
                 refused(&back)?;
-                let text = log.text();
+                froms.push(from);
+            }
+            // The first refusal of an address for a reason is logged with the peer; the rest
+            // are only counted, so every reason appears once (all come from one address).
+            let text = log.text();
+            let full: Vec<&str> = text
+                .lines()
+                .filter(|l| l.contains("driver connection refused"))
+                .collect();
+            prop_assert!(
+                full.iter().any(|l| l.contains(&format!("peer={} ", froms[0]))),
+                "the first refusal ({}) is not logged:\n{}", froms[0], text
+            );
+            let mut reasons: Vec<&str> = full
+                .iter()
+                .filter_map(|l| l.split("reason=").nth(1)?.split(' ').next())
+                .collect();
+            prop_assert_eq!(reasons.len(), full.len(), "a refusal without a reason:\n{}", text);
+            for l in &full {
                 prop_assert!(
-                    text.lines().any(|l| l.contains("driver connection refused")
-                        && l.contains(&format!("peer={from} "))),
-                    "no refusal of {} logged:\n{}", from, text
+                    froms.iter().any(|f| l.contains(&format!("peer={f} "))),
+                    "a refusal of no stranger: {}", l
                 );
             }
+            let logged = reasons.len();
+            reasons.sort_unstable();
+            reasons.dedup();
+            prop_assert_eq!(reasons.len(), logged, "a reason logged twice:\n{}", text);
             genuine_driver_works(&addr).await;
             Ok::<(), TestCaseError>(())
         })?;
@@ -319,6 +341,41 @@ proptest! {
             Ok::<(), TestCaseError>(())
         })?;
     }
+}
+
+/// A flood of strangers at an agent (300 connections sending an HTTP request): each is
+/// refused, and the log names the first refusal of its address and reason and counts the
+/// rest, a few lines instead of one per connection.
+#[test]
+fn a_flood_of_strangers_is_counted_not_logged_one_by_one() {
+    let log = Log::default();
+    let _logging = tracing::subscriber::set_default(log.subscriber());
+    runtime().block_on(async {
+        let limits = Limits {
+            refusal_summary: Duration::from_millis(200),
+            ..Limits::default()
+        };
+        let (addr, _stop) = support::agent_with(SECRET, limits).await;
+        for _ in 0..300 {
+            let (back, _) = knock(&addr, b"GET / HTTP/1.0\r\n\r\n").await;
+            refused(&back).unwrap();
+        }
+        let counted = |text: &str| hvd_auth::refusals::counted_in(text, "driver", Some("not_auth"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while counted(&log.text()) < 299 {
+            assert!(std::time::Instant::now() < deadline, "{}", log.text());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        genuine_driver_works(&addr).await;
+    });
+    let text = log.text();
+    assert_eq!(
+        text.matches("driver connection refused").count(),
+        1,
+        "the first refusal alone is logged one by one:\n{text}"
+    );
+    let summaries = text.matches("since the last count").count();
+    assert!(summaries <= 10, "{summaries} count lines:\n{text}");
 }
 
 /// Log lines written in this thread while its subscriber is the default.

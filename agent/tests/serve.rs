@@ -656,6 +656,7 @@ async fn connections_authenticating_at_once_are_limited() {
     let (addr, _stop) = limited_agent(Limits {
         connections: 8,
         unauthenticated: 1,
+        ..Limits::default()
     })
     .await;
     let mut first = Raw::connect(&addr).await;
@@ -688,6 +689,7 @@ async fn open_connections_are_limited() {
     let (addr, _stop) = limited_agent(Limits {
         connections: 2,
         unauthenticated: 2,
+        ..Limits::default()
     })
     .await;
     let a = connect(&addr, SECRET, T).await.unwrap();

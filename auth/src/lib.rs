@@ -20,6 +20,11 @@
 //! session key of the direction, the message's number in that direction and the message. A
 //! tampered message, one replayed or reordered within the connection, or one taken from
 //! another connection (another key) fails [`Session::open`].
+//!
+//! **Refusals.** [`refusals::Refusals`] decides how a service reports the connections it
+//! refuses, so that strangers cannot flood its log.
+
+pub mod refusals;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
+use hvd_auth::refusals::{Refusals, Refused, SUMMARY_EVERY as CONNECT_SUMMARY};
 use hvd_auth::{Handshake, NONCE_BYTES, Nonce, Role, TAG_BYTES, Tag};
 
 use crate::config::CommConfig;
@@ -60,6 +61,18 @@ enum Status {
 }
 
 impl Status {
+    /// The label a refusal for this status is counted under.
+    fn label(self) -> &'static str {
+        match self {
+            Self::Ok => "none",
+            Self::BadToken => "wrong_secret",
+            Self::WrongGeneration => "wrong_round",
+            Self::WrongRank => "wrong_rank",
+            Self::BadVersion => "wrong_version",
+            Self::WrongStreams => "wrong_streams",
+        }
+    }
+
     fn describe(code: u8) -> &'static str {
         match code {
             1 => "refused: wrong job token",
@@ -326,6 +339,11 @@ fn accept_higher(
     stop: &AtomicBool,
     wait: &Waiting<'_>,
 ) -> std::result::Result<Vec<Vec<Option<TcpStream>>>, Stopped> {
+    let mut dialed = Vec::new();
+    // Strangers refused while connecting are logged once per address and reason, then
+    // counted; what is left of the counts is logged when accepting ends.
+    let mut refusals = CountedUntilDropped(Refusals::new(CONNECT_SUMMARY));
+    let refusals = &mut refusals.0;
     let k = cfg.streams;
     let mut slots: Vec<Vec<Option<TcpStream>>> = (0..cfg.size)
         .map(|_| (0..k).map(|_| None).collect())
@@ -335,7 +353,6 @@ fn accept_higher(
         .set_nonblocking(true)
         .map_err(|e| failed(io_err("listener", e)))?;
     let higher = cfg.rank + 1..cfg.size;
-    let mut dialed = Vec::new();
     let mut missing = higher.clone().filter(|&j| wait.plan.wanted[j]).count() * k;
     while missing > 0 || wait.dialing.load(Ordering::SeqCst) {
         if let Some(reason) = shared.abort_reason() {
@@ -367,6 +384,7 @@ fn accept_higher(
             DIALER_CHECK
         };
         let found = wait_for_dialers(listener, &slots, wait, &mut dialed, left.min(pause));
+        refusals.log_summary("peer", Instant::now());
         if let Some(j) = found.map_err(failed)? {
             return Err(failed(CommError::PeerLost {
                 rank: j,
@@ -393,11 +411,12 @@ fn accept_higher(
                         }
                         Ok((j, index)) => {
                             shared.unregister(&s);
-                            tracing::warn!(peer = j, index, %from, "duplicate connection refused");
+                            let detail = format!("a second connection {index} from rank {j}");
+                            refusals.log("peer", from, "duplicate", &detail);
                         }
-                        Err(why) => {
+                        Err(r) => {
                             shared.unregister(&s);
-                            tracing::warn!(%from, %why, "peer connection refused");
+                            refusals.log("peer", from, r.reason, &r.detail);
                         }
                     }
                 }
@@ -411,6 +430,15 @@ fn accept_higher(
         }
     }
     Ok(slots)
+}
+
+/// Refusals whose counts not logged yet are logged when accepting ends.
+struct CountedUntilDropped(Refusals);
+
+impl Drop for CountedUntilDropped {
+    fn drop(&mut self) {
+        self.0.log_rest("peer");
+    }
 }
 
 /// Waits up to `wait` for a connection on `listener`, watching the connections already made
@@ -636,11 +664,12 @@ fn split_challenge(b: &[u8; NONCE_BYTES + TAG_BYTES]) -> (Nonce, Tag) {
 }
 
 /// Checks an incoming hello and the peer's proof of the job token; returns the peer's rank and
-/// the connection's index.
-fn admit(cfg: &CommConfig, s: &mut TcpStream) -> std::result::Result<(usize, usize), String> {
+/// the connection's index, or why it was refused (a label for the log's counts, and what
+/// happened).
+fn admit(cfg: &CommConfig, s: &mut TcpStream) -> std::result::Result<(usize, usize), Refused> {
     s.set_read_timeout(Some(HELLO_TIMEOUT))
-        .map_err(|e| e.to_string())?;
-    let h = read_hello(s).map_err(|e| format!("bad hello: {e}"))?;
+        .map_err(|e| Refused::io(&e))?;
+    let h = read_hello(s).map_err(|e| Refused::new("bad_hello", format!("bad hello: {e}")))?;
     let to = (h.to & ((1 << RANK_BITS) - 1)) as usize;
     let index = ((h.to >> RANK_BITS) & 0xf) as usize;
     let streams = (h.to >> (RANK_BITS + 4)) as usize;
@@ -656,27 +685,31 @@ fn admit(cfg: &CommConfig, s: &mut TcpStream) -> std::result::Result<(usize, usi
         Status::Ok
     };
     let refused = |status: Status| {
-        format!(
+        let detail = format!(
             "{} (rank {} gen {})",
             Status::describe(status as u8),
             h.from,
             h.generation
-        )
+        );
+        Refused::new(status.label(), detail)
     };
     if status != Status::Ok {
         // The peer reads this byte to learn why it was refused; if it is already gone, so be it.
         let _ = s.write_all(&[status as u8]);
         return Err(refused(status));
     }
-    let hs = Handshake::new(&cfg.token, &h.context(), Role::Listener).map_err(|e| e.to_string())?;
+    let hs = Handshake::new(&cfg.token, &h.context(), Role::Listener)
+        .map_err(|e| Refused::new("io", e.to_string()))?;
     let mut challenge = [0u8; 1 + NONCE_BYTES + TAG_BYTES];
     challenge[1..=NONCE_BYTES].copy_from_slice(&hs.nonce().0);
     challenge[1 + NONCE_BYTES..].copy_from_slice(&hs.proof(&h.nonce).0);
     s.write_all(&challenge)
-        .map_err(|e| format!("sending the challenge: {e}"))?;
+        .map_err(|e| Refused::new("io", format!("sending the challenge: {e}")))?;
     let mut proof = [0u8; TAG_BYTES];
-    s.read_exact(&mut proof)
-        .map_err(|e| format!("no proof of the job token (rank {}): {e}", h.from))?;
+    s.read_exact(&mut proof).map_err(|e| {
+        let detail = format!("no proof of the job token (rank {}): {e}", h.from);
+        Refused::new("silent", detail)
+    })?;
     let status = match hs.verify(&h.nonce, &Tag(proof)) {
         Ok(_) => Status::Ok,
         Err(_) => Status::BadToken,

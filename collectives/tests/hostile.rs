@@ -286,3 +286,52 @@ fn a_stalled_hello_only_delays_the_world() {
         started.elapsed()
     );
 }
+
+/// A flood of strangers at a rank's listener while its world forms (300 connections sending
+/// garbage before the genuine peer dials): every one is refused, and the rank's log names the
+/// first refusal of the address and reason and counts the rest, a few lines instead of one
+/// per connection.
+#[test]
+fn a_flood_of_strangers_while_the_mesh_forms_is_counted_not_logged_one_by_one() {
+    let log = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let sink = Arc::clone(&log);
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || LogWriter(Arc::clone(&sink)))
+        .with_ansi(false)
+        .finish();
+    // The rank whose log is read runs on this thread, where the subscriber is the default.
+    let _logging = tracing::subscriber::set_default(subscriber);
+    let ([l0, l1], addrs) = listeners();
+    let sum = thread::scope(|s| {
+        s.spawn(|| {
+            for _ in 0..300 {
+                assert!(refused(&knock(addrs[0], b"GET / HTTP/1.0\r\n\r\n")));
+            }
+            rank(1, &l1, &addrs)
+        });
+        rank(0, &l0, &addrs)
+    });
+    assert_eq!(sum, 3.0);
+    let text = String::from_utf8_lossy(&log.lock().unwrap()).into_owned();
+    assert_eq!(
+        text.matches("peer connection refused").count(),
+        1,
+        "the first refusal alone is logged one by one:\n{text}"
+    );
+    let counted = hvd_auth::refusals::counted_in(&text, "peer", None);
+    assert_eq!(counted, 299, "{text}");
+}
+
+/// A writer into a shared buffer, for a subscriber whose lines a test reads.
+struct LogWriter(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}

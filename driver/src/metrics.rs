@@ -39,6 +39,13 @@ struct PhaseLabel {
     phase: &'static str,
 }
 
+/// Which service refused a connection, and why (a label from the service's fixed set).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RefusedLabel {
+    service: &'static str,
+    reason: &'static str,
+}
+
 type Rate = Gauge<f64, std::sync::atomic::AtomicU64>;
 
 /// Rank 0's counts since its process started, as it reports them.
@@ -70,6 +77,7 @@ pub struct Metrics {
     heartbeat_failures: Counter,
     worker_failures: Counter,
     failovers: Counter,
+    refused: Family<RefusedLabel, Counter>,
     steps: Rate,
     allreduces: Rate,
     allreduce_bytes: Rate,
@@ -84,6 +92,13 @@ impl Metrics {
             "hvd_job_phase",
             "Where the job stands: 1 for its current phase, 0 for the others",
             phase.clone(),
+        );
+        let refused = Family::<RefusedLabel, Counter>::default();
+        r.register(
+            "hvd_refused_connections",
+            "Connections the driver's services refused (strangers, wrong secrets, garbage), \
+             by service and reason",
+            refused.clone(),
         );
         let gauge = |r: &mut Registry, name: &str, help: &str| {
             let g = Gauge::default();
@@ -180,10 +195,18 @@ impl Metrics {
                 "Bytes allreduced per second on rank 0, as it reports them",
             ),
             phase,
+            refused,
             registry: Arc::new(r),
         };
         m.failovers.inc_by(failovers);
         m
+    }
+
+    /// A connection `service` refused for `reason`.
+    pub fn refused(&self, service: &'static str, reason: &'static str) {
+        self.refused
+            .get_or_create(&RefusedLabel { service, reason })
+            .inc();
     }
 
     /// The registry, for the endpoint.

@@ -5,9 +5,11 @@
 //! driver notices at once when a worker's connection drops. The driver also pings every worker
 //! on it: a process that stops answering is frozen, although its connection stays open.
 
-use std::time::Duration;
-
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use hvd_auth::refusals::{Refusals, Refused, Report, SUMMARY_CHECK, SUMMARY_EVERY};
 
 use hvd_rendezvous::{
     DriverMsg, ListenerAuth, MAX_LINE, ProtocolError, Sealer, WorkerMsg, open_line, refusal_line,
@@ -18,7 +20,7 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use crate::metrics::Progress;
+use crate::metrics::{Metrics, Progress};
 
 const FIRST_LINE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -100,7 +102,8 @@ pub enum Wire {
 
 /// Accepts rendezvous connections until the job ends. `max_worker` bounds the ids accepted
 /// (the world size of a static job). A connection that fails the handshake or breaks its
-/// session is logged with the peer's address and closed; the job goes on.
+/// session is closed; the job goes on. The first refusal of each address and reason is
+/// logged with the peer's address, the rest counted in a line per reason every few seconds.
 pub async fn serve(
     listener: TcpListener,
     secret: String,
@@ -112,34 +115,80 @@ pub async fn serve(
 
 /// [`serve`] for an elastic job, whose rank 0 also reports its training progress: each
 /// report goes to `progress` with the reporting worker's id, or is dropped when the job loop
-/// is behind (the next one is a few seconds away).
+/// is behind (the next one is a few seconds away). Refusals are counted in `metrics`.
 pub async fn serve_reporting(
     listener: TcpListener,
     secret: String,
     progress: mpsc::Sender<(u64, Progress)>,
     events: mpsc::Sender<Wire>,
+    metrics: Metrics,
 ) {
-    accept(listener, secret, None, Some(progress), events).await;
+    let reporting = Reporting { progress, metrics };
+    accept(listener, secret, None, Some(reporting), events).await;
+}
+
+/// What an elastic job's rendezvous reports beyond its events.
+struct Reporting {
+    progress: mpsc::Sender<(u64, Progress)>,
+    metrics: Metrics,
+}
+
+/// Logs the refusals counted and not logged yet when the server stops.
+struct LogRest(Arc<Mutex<Refusals>>);
+
+impl Drop for LogRest {
+    fn drop(&mut self) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .log_rest("rendezvous");
+    }
 }
 
 async fn accept(
     listener: TcpListener,
     secret: String,
     max_worker: Option<u64>,
-    progress: Option<mpsc::Sender<(u64, Progress)>>,
+    reporting: Option<Reporting>,
     events: mpsc::Sender<Wire>,
 ) {
+    let refusals = Arc::new(Mutex::new(Refusals::new(SUMMARY_EVERY)));
+    // The counts not logged yet are logged when the server stops (its task is dropped).
+    let _rest = LogRest(Arc::clone(&refusals));
+    let (progress, metrics) = match reporting {
+        Some(r) => (Some(r.progress), Some(r.metrics)),
+        None => (None, None),
+    };
+    let mut summaries = tokio::time::interval(SUMMARY_CHECK);
     loop {
-        let Ok((stream, peer)) = listener.accept().await else {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = summaries.tick() => {
+                refusals
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .log_summary("rendezvous", Instant::now());
+                continue;
+            }
+        };
+        let Ok((stream, peer)) = accepted else {
             continue;
         };
         // A dual-stack listener sees IPv4 peers as mapped IPv6; log them as people write them.
         let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
         let (secret, events, progress) = (secret.clone(), events.clone(), progress.clone());
+        let (refusals, metrics) = (Arc::clone(&refusals), metrics.clone());
         tokio::spawn(async move {
             let sinks = Sinks { events, progress };
-            if let Err(reason) = handle(stream, peer, &secret, max_worker, sinks).await {
-                tracing::warn!(%peer, %reason, "rendezvous connection refused");
+            if let Err(r) = handle(stream, peer, &secret, max_worker, sinks).await {
+                let mut refusals = refusals.lock().unwrap_or_else(PoisonError::into_inner);
+                if refusals.log("rendezvous", peer, r.reason, &r.detail) == Report::Counted {
+                    let (reason, detail) = (r.reason, &r.detail);
+                    tracing::debug!(%peer, reason, detail, "rendezvous connection refused");
+                }
+                if let Some(m) = &metrics {
+                    m.refused("rendezvous", r.reason);
+                }
             }
         });
     }
@@ -158,35 +207,36 @@ async fn read_handshake_line(
     r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
     buf: &mut Vec<u8>,
     what: &str,
-) -> Result<(), String> {
+) -> Result<(), Refused> {
     match tokio::time::timeout(FIRST_LINE_TIMEOUT, read_line(r, buf)).await {
         Ok(Ok(n)) if n > 0 => Ok(()),
-        Ok(Ok(_)) => Err(format!("closed before {what}")),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!(
-            "sent nothing for {FIRST_LINE_TIMEOUT:?} before {what}"
+        Ok(Ok(_)) => Err(Refused::new("silent", format!("closed before {what}"))),
+        Ok(Err(e)) => Err(Refused::io(&e)),
+        Err(_) => Err(Refused::new(
+            "silent",
+            format!("sent nothing for {FIRST_LINE_TIMEOUT:?} before {what}"),
         )),
     }
 }
 
 /// Refuses a connection that has no session: an unsealed refusal, then the connection closes.
-async fn refuse(mut w: OwnedWriteHalf, reason: String) -> String {
-    if let Ok(line) = refusal_line(&reason) {
+async fn refuse(mut w: OwnedWriteHalf, refused: Refused) -> Refused {
+    if let Ok(line) = refusal_line(&refused.detail) {
         // The peer may be gone already; the refusal is logged either way.
         let _ = w.write_all(&line).await;
     }
-    reason
+    refused
 }
 
 /// Refuses an authenticated worker (its registration is not acceptable), sealed.
-async fn refuse_sealed(mut w: OwnedWriteHalf, sealer: &mut Sealer, reason: String) -> String {
+async fn refuse_sealed(mut w: OwnedWriteHalf, sealer: &mut Sealer, refused: Refused) -> Refused {
     let msg = DriverMsg::Refused {
-        reason: reason.clone(),
+        reason: refused.detail.clone(),
     };
     if let Ok(line) = seal_line(sealer, &msg) {
         let _ = w.write_all(&line).await;
     }
-    reason
+    refused
 }
 
 /// Where a connection's messages go: the job loop's events, and rank 0's progress reports
@@ -202,32 +252,39 @@ async fn handle(
     secret: &str,
     max_worker: Option<u64>,
     sinks: Sinks,
-) -> Result<(), String> {
+) -> Result<(), Refused> {
     let Sinks { events, progress } = sinks;
-    stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    stream.set_nodelay(true).map_err(|e| Refused::io(&e))?;
     let (r, mut w) = stream.into_split();
     let mut reader = BufReader::new(r);
     let mut buf = Vec::new();
     read_handshake_line(&mut reader, &mut buf, "its hello").await?;
     let (listener, challenge) = match ListenerAuth::answer(secret, &buf) {
         Ok(answer) => answer,
-        Err(e) => return Err(refuse(w, format!("not a hello: {e}")).await),
+        Err(e) => {
+            return Err(refuse(w, Refused::new("not_hello", format!("not a hello: {e}"))).await);
+        }
     };
-    w.write_all(&challenge).await.map_err(|e| e.to_string())?;
+    w.write_all(&challenge).await.map_err(|e| Refused::io(&e))?;
     read_handshake_line(&mut reader, &mut buf, "its proof").await?;
     let (mut sealer, mut opener) = match listener.finish(&buf) {
         Ok(session) => session.split(),
         Err(ProtocolError::Auth(_)) => {
             let reason = "wrong job secret: its proof does not match (another job's secret, or \
                           a handshake replayed from another connection)";
-            return Err(refuse(w, reason.into()).await);
+            return Err(refuse(w, Refused::new("wrong_secret", reason)).await);
         }
-        Err(e) => return Err(refuse(w, format!("not a proof: {e}")).await),
+        Err(e) => {
+            return Err(refuse(w, Refused::new("not_proof", format!("not a proof: {e}"))).await);
+        }
     };
     read_handshake_line(&mut reader, &mut buf, "registering").await?;
     let msg = match open_line::<WorkerMsg>(&mut opener, &buf) {
         Ok(m) => m,
-        Err(e) => return Err(refuse_sealed(w, &mut sealer, e.to_string()).await),
+        Err(e) => {
+            let refused = Refused::new("bad_registration", e.to_string());
+            return Err(refuse_sealed(w, &mut sealer, refused).await);
+        }
     };
     let WorkerMsg::Register {
         worker,
@@ -237,11 +294,15 @@ async fn handle(
         resume,
     } = msg
     else {
-        return Err(refuse_sealed(w, &mut sealer, "expected a registration".into()).await);
+        let refused = Refused::new("bad_registration", "expected a registration");
+        return Err(refuse_sealed(w, &mut sealer, refused).await);
     };
     if let Some(max) = max_worker.filter(|&m| worker >= m) {
-        let reason = format!("rank {worker} is outside a world of {max}");
-        return Err(refuse_sealed(w, &mut sealer, reason).await);
+        let refused = Refused::new(
+            "outside_world",
+            format!("rank {worker} is outside a world of {max}"),
+        );
+        return Err(refuse_sealed(w, &mut sealer, refused).await);
     }
     let (tx, mut rx) = mpsc::unbounded_channel::<DriverMsg>();
     // One writer per connection, which alone seals: a stopped worker that reads nothing never

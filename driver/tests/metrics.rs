@@ -134,3 +134,94 @@ fn counters_move_as_the_job_rescales_and_promtool_passes_every_scrape() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(check_counter(&lines, 1000), 4);
 }
+
+/// The sum of every `hvd_refused_connections_total` series of `service`.
+fn refused(text: &str, service: &str) -> f64 {
+    let prefix = format!("hvd_refused_connections_total{{service=\"{service}\",");
+    text.lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// A flood of strangers at a running job's rendezvous, bounded (a few seconds of 100 idle
+/// connections and 6 threads sending garbage, on loopback) while a worker is killed: the job
+/// recovers and finishes exactly; the driver logs the first refusal of each reason from the
+/// address and then counts per reason, a handful of lines instead of one per connection, and
+/// `/metrics` counts every refusal by reason.
+#[test]
+fn a_flood_of_strangers_is_counted_not_logged_one_by_one() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    promtool::promtool();
+    let mut job = Job::start(
+        "flood",
+        &["127.0.0.2:2", "127.0.0.3:2"],
+        &["-np", "4", "--min-np", "2", "--status-port", "0"],
+        &["--steps", "500", "--commit-every", "5", "--step-ms", "10"],
+    );
+    let port = job.status_port();
+    job.wait_step(10, 4);
+    let (addr, _) = support::rendezvous_of(job.pid_of_rank(1));
+    let stop = AtomicBool::new(false);
+    let sent = AtomicU64::new(0);
+    let idle: Vec<std::net::TcpStream> = (0..100)
+        .map(|_| std::net::TcpStream::connect(&addr).expect("an idle connection"))
+        .collect();
+    std::thread::scope(|s| {
+        for _ in 0..6 {
+            s.spawn(|| {
+                // At most 400 connections a thread: the flood is bounded whatever the speed.
+                for _ in 0..400 {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(mut c) = std::net::TcpStream::connect(&addr) else {
+                        continue;
+                    };
+                    let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+                    let _ = c.write_all(b"GET / HTTP/1.0\r\n\r\n");
+                    let _ = c.read_to_end(&mut Vec::new());
+                    sent.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        signal(job.pids_on("127.0.0.3")[0], Signal::SIGKILL);
+        std::thread::sleep(Duration::from_secs(2));
+        stop.store(true, Ordering::SeqCst);
+    });
+    drop(idle);
+    let garbage = sent.load(Ordering::SeqCst) as f64;
+    assert!(
+        garbage >= 50.0,
+        "only {garbage} garbage connections were made"
+    );
+    // Every garbage sender and every idle connection is counted.
+    let scraped = scrape_until(port, |m| refused(m, "rendezvous") >= garbage + 100.0);
+    promtool::assert_clean(&scraped);
+    let not_hello = "hvd_refused_connections_total{service=\"rendezvous\",reason=\"not_hello\"}";
+    // A garbage sender whose connection broke before its line arrived counts as silent.
+    let hellos = value(&scraped, not_hello);
+    assert!(
+        hellos <= garbage && hellos >= garbage * 0.9,
+        "{garbage} sent:\n{scraped}"
+    );
+    // And summarized in the log within the interval.
+    job.wait_stderr("rendezvous connections refused since the last count");
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 500), 2);
+    let one_by_one = err.matches("rendezvous connection refused").count();
+    let counted = err
+        .matches("rendezvous connections refused since the last count")
+        .count();
+    eprintln!(
+        "flood: {garbage} garbage and 100 idle connections refused; {one_by_one} lines for \
+         single refusals, {counted} count lines"
+    );
+    assert!(
+        one_by_one <= 4,
+        "{one_by_one} refusals logged one by one for {garbage} garbage connections:\n{err}"
+    );
+    assert!(counted <= 12, "{counted} count lines:\n{err}");
+}

@@ -660,13 +660,14 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     tracing::debug!(port, "rendezvous listening");
     let (wire_tx, mut wire_rx) = mpsc::channel::<Wire>(256);
     let (progress_tx, mut progress_rx) = mpsc::channel(16);
+    let metrics = Metrics::new(control.as_ref().map_or(0, Control::failovers));
     let server = tokio::spawn(rendezvous::serve_reporting(
         listener,
         secret.clone(),
         progress_tx,
         wire_tx,
+        metrics.clone(),
     ));
-    let metrics = Metrics::new(control.as_ref().map_or(0, Control::failovers));
     let (disc_tx, mut disc_rx) = mpsc::channel::<Input>(4);
     let poller = tokio::spawn(poll(
         spec.source.clone(),

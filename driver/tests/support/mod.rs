@@ -473,6 +473,21 @@ impl Drop for Job {
     }
 }
 
+/// What a worker's environment says of its job: the rendezvous address and the job secret.
+pub fn rendezvous_of(pid: i32) -> (String, String) {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).expect("the worker's environment");
+    let var = |name: &str| {
+        env.split(|&b| b == 0)
+            .find_map(|kv| kv.strip_prefix(format!("{name}=").as_bytes()))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_else(|| panic!("{name} is not in worker {pid}'s environment"))
+    };
+    (
+        var(hvd_rendezvous::ENV_RENDEZVOUS_ADDR),
+        var(hvd_rendezvous::ENV_SECRET),
+    )
+}
+
 /// Whether `pid` runs (a zombie does not).
 pub fn alive(pid: i32) -> bool {
     u32::try_from(pid).is_ok_and(stale::running)
