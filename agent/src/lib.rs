@@ -45,8 +45,7 @@ pub use proto::{FromAgent, Held, Stream, ToAgent};
 pub use reaper::reap_orphans;
 pub use server::{Limits, serve, serve_with_limits};
 
-/// Environment variable holding the secret shared by the driver and its agents.
-pub const ENV_AGENT_SECRET: &str = "HVD_AGENT_SECRET";
+pub use hvd_rendezvous::ENV_AGENT_SECRET;
 
 /// The port an agent listens on unless told otherwise.
 pub const DEFAULT_PORT: u16 = 7077;

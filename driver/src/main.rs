@@ -18,7 +18,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Parser;
 use hvd_discovery::{HostSpec, parse_host_list, parse_hostfile};
-use hvd_rendezvous::{HostSlots, assign_static};
+use hvd_rendezvous::{ENV_RENDEZVOUS_HOST, HostSlots, assign_static};
 
 use crate::job::{JobSpec, LaunchMode, Outcome};
 
@@ -335,10 +335,6 @@ fn store_spec(
         args: std::env::args().collect(),
     }))
 }
-
-/// The address remote workers dial the rendezvous at, when this machine's own would not do:
-/// one that outlives the driver, such as a Kubernetes Service in front of the driver pod.
-pub const ENV_RENDEZVOUS_HOST: &str = "HVD_RENDEZVOUS_HOST";
 
 /// How workers are started, from `--launcher`, `--agent-port` and the agent secret (from
 /// `HVD_AGENT_SECRET`, passed in).

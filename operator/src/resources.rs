@@ -41,16 +41,15 @@ pub const STATUS_PORT_NAME: &str = "status";
 /// Rendezvous port of a job with a state store: fixed, because the workers of a lost driver
 /// redial the same address to reach its successor.
 pub const RENDEZVOUS_PORT: u16 = 7078;
-/// Environment variable holding the job's secret, the same for every driver of a job with a
-/// state store (`horovodrun` reads it there).
-pub const ENV_JOB_SECRET: &str = "HVD_SECRET";
-/// Environment variable with the etcd user name (from `spec.stateStore.credentialsSecret`).
-pub const ENV_STORE_USERNAME: &str = "HVD_STATE_STORE_USERNAME";
-/// Environment variable with the etcd password (from `spec.stateStore.credentialsSecret`).
-pub const ENV_STORE_PASSWORD: &str = "HVD_STATE_STORE_PASSWORD";
-/// Environment variable naming the host the driver gives its workers for the rendezvous: the
-/// driver Service's DNS name, which outlives the driver pod.
-pub const ENV_RENDEZVOUS_HOST: &str = "HVD_RENDEZVOUS_HOST";
+// The environment the driver and agent pods get, named where `horovodrun` and `hvd-agent`
+// read it: the job's secret (the same for every driver of a job with a state store), the etcd
+// credentials (from `spec.stateStore.credentialsSecret`), the host the driver gives its workers
+// for the rendezvous (the driver Service's DNS name, which outlives the driver pod), and the
+// secret the driver and the agents share.
+pub use hvd_rendezvous::{
+    ENV_AGENT_SECRET, ENV_RENDEZVOUS_HOST, ENV_SECRET as ENV_JOB_SECRET,
+    ENV_STATE_STORE_PASSWORD as ENV_STORE_PASSWORD, ENV_STATE_STORE_USERNAME as ENV_STORE_USERNAME,
+};
 /// Key of the job's secret ([`ENV_JOB_SECRET`]) in the job's Secret; apart from
 /// [`SECRET_KEY`] so that the training processes, which are given the job's secret, never
 /// learn the agents'.
@@ -59,8 +58,6 @@ pub const JOB_SECRET_KEY: &str = "job";
 pub const CREDENTIALS_USERNAME_KEY: &str = "username";
 /// Key of the etcd password in `spec.stateStore.credentialsSecret`.
 pub const CREDENTIALS_PASSWORD_KEY: &str = "password";
-/// Environment variable holding the secret shared by the driver and the agents.
-pub const ENV_AGENT_SECRET: &str = "HVD_AGENT_SECRET";
 /// Key of the shared secret in the job's Secret.
 pub const SECRET_KEY: &str = "secret";
 /// Where the job's Secret is mounted in the driver and worker pods (read-only).

@@ -1,4 +1,6 @@
-//! Names of the environment variables a launcher sets for each worker.
+//! Names of the environment variables a launcher sets for each worker, and those the driver,
+//! the agents and the operator pass between them: one home for every name, which each side
+//! imports, so that a renamed variable fails to compile instead of at run time.
 
 /// The worker's global rank (Horovod's name).
 pub const ENV_RANK: &str = "HOROVOD_RANK";
@@ -16,8 +18,18 @@ pub const ENV_CROSS_SIZE: &str = "HOROVOD_CROSS_SIZE";
 pub const ENV_HOSTNAME: &str = "HOROVOD_HOSTNAME";
 /// `host:port` of the driver's rendezvous listener.
 pub const ENV_RENDEZVOUS_ADDR: &str = "HVD_RENDEZVOUS_ADDR";
-/// The job's secret, presented on every request.
+/// The job's secret, presented on every request (and the same for every driver of a job with
+/// a state store, which the operator sets in the driver pod).
 pub const ENV_SECRET: &str = "HVD_SECRET";
+/// The host remote workers dial the rendezvous at, when the driver's own address would not do:
+/// one that outlives the driver, such as the Kubernetes Service in front of the driver pod.
+pub const ENV_RENDEZVOUS_HOST: &str = "HVD_RENDEZVOUS_HOST";
+/// The secret the driver and its `hvd-agent`s share.
+pub const ENV_AGENT_SECRET: &str = "HVD_AGENT_SECRET";
+/// The state store's (etcd's) user name.
+pub const ENV_STATE_STORE_USERNAME: &str = "HVD_STATE_STORE_USERNAME";
+/// The state store's (etcd's) password.
+pub const ENV_STATE_STORE_PASSWORD: &str = "HVD_STATE_STORE_PASSWORD";
 /// The address this worker binds its collective listener to (`127.0.0.3` for a local "host").
 pub const ENV_BIND_ADDR: &str = "HVD_BIND_ADDR";
 /// A network interface whose IPv4 address the worker binds to (`--network-interface`).

@@ -98,10 +98,9 @@ impl fmt::Debug for Credentials {
     }
 }
 
-/// The variable holding the etcd user name.
-pub const ENV_USERNAME: &str = "HVD_STATE_STORE_USERNAME";
-/// The variable holding the etcd user's password.
-pub const ENV_PASSWORD: &str = "HVD_STATE_STORE_PASSWORD";
+pub use hvd_rendezvous::{
+    ENV_STATE_STORE_PASSWORD as ENV_PASSWORD, ENV_STATE_STORE_USERNAME as ENV_USERNAME,
+};
 
 impl Credentials {
     /// The credentials the environment gives: none when neither variable is set.
