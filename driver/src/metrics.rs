@@ -227,7 +227,7 @@ impl Metrics {
 }
 
 fn phase_label(p: JobPhase) -> &'static str {
-    crate::status::phase_name(p)
+    crate::status::phase(p).name()
 }
 
 /// Turns what the job loop sees into the metrics: snapshots of the core after every event,

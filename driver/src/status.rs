@@ -10,7 +10,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use hvd_serve::Router;
-use serde::Serialize;
+use hvd_serve::status::{BlacklistedHost, DriverPhase, DriverStatus, StatusHost};
 use tokio::sync::watch;
 
 use crate::elastic::core::{JobPhase, Snapshot};
@@ -26,38 +26,14 @@ pub struct Published {
     pub epoch: SystemTime,
 }
 
-/// The JSON body of `GET /status`.
-#[derive(Debug, Serialize)]
-struct Body<'a> {
-    phase: &'static str,
-    generation: u64,
-    workers: usize,
-    hosts: Vec<HostBody<'a>>,
-    blacklisted: Vec<Blacklisted<'a>>,
-    resets: u64,
-}
-
-#[derive(Debug, Serialize)]
-struct HostBody<'a> {
-    host: &'a str,
-    slots: usize,
-}
-
-#[derive(Debug, Serialize)]
-struct Blacklisted<'a> {
-    host: &'a str,
-    /// Unix milliseconds when the cooldown ends; `null` for good.
-    until_ms: Option<u64>,
-}
-
-/// The name of a phase, as `/status` and the metrics' `phase` label write it.
-pub fn phase_name(p: JobPhase) -> &'static str {
+/// The phase `/status` and the metrics' `phase` label report for the core's `p`.
+pub fn phase(p: JobPhase) -> DriverPhase {
     match p {
-        JobPhase::Pending => "Pending",
-        JobPhase::Running => "Running",
-        JobPhase::Rescaling => "Rescaling",
-        JobPhase::Succeeded => "Succeeded",
-        JobPhase::Failed => "Failed",
+        JobPhase::Pending => DriverPhase::Pending,
+        JobPhase::Running => DriverPhase::Running,
+        JobPhase::Rescaling => DriverPhase::Rescaling,
+        JobPhase::Succeeded => DriverPhase::Succeeded,
+        JobPhase::Failed => DriverPhase::Failed,
     }
 }
 
@@ -69,23 +45,23 @@ pub fn render(p: &Published) -> String {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX))
     };
-    let body = Body {
-        phase: phase_name(s.phase),
+    let body = DriverStatus {
+        phase: phase(s.phase),
         generation: s.generation,
-        workers: s.workers,
+        workers: s.workers as u64,
         hosts: s
             .hosts
             .iter()
-            .map(|(host, slots)| HostBody {
-                host,
+            .map(|(host, slots)| StatusHost {
+                host: host.clone(),
                 slots: *slots,
             })
             .collect(),
         blacklisted: s
             .blacklisted
             .iter()
-            .map(|(host, until)| Blacklisted {
-                host,
+            .map(|(host, until)| BlacklistedHost {
+                host: host.clone(),
                 until_ms: until.map(unix_ms),
             })
             .collect(),

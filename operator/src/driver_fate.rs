@@ -479,7 +479,7 @@ mod tests {
         let d = driver(&j, "10.0.0.9");
         assert_eq!(fate(&j, Some(&d)), DriverFate::Keep);
         let report = DriverStatus {
-            phase: "Succeeded".into(),
+            phase: hvd_serve::status::DriverPhase::Succeeded,
             ..Default::default()
         };
         let s = status(&j, &with_driver(&j, d), Some(&report), &[], &now());

@@ -6,55 +6,13 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use serde::Deserialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// The largest status response read; a bigger one is refused.
 pub const MAX_RESPONSE_BYTES: usize = 4 << 20;
 
-/// The driver's view of the job (`GET /status`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-pub struct DriverStatus {
-    /// The driver's phase name (`Pending`, `Running`, `Rescaling`, `Succeeded`, `Failed`).
-    #[serde(default)]
-    pub phase: String,
-    /// The rendezvous round.
-    #[serde(default)]
-    pub generation: u64,
-    /// Worker processes in the current round.
-    #[serde(default)]
-    pub workers: u64,
-    /// Hosts in the current round.
-    #[serde(default)]
-    pub hosts: Vec<StatusHost>,
-    /// Hosts kept out of the job, and until when.
-    #[serde(default)]
-    pub blacklisted: Vec<BlacklistedHost>,
-    /// Elastic resets so far.
-    #[serde(default)]
-    pub resets: u64,
-}
-
-/// A host of the current round.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-pub struct StatusHost {
-    /// Host name or address, as discovery gave it.
-    pub host: String,
-    /// Its slots.
-    #[serde(default)]
-    pub slots: usize,
-}
-
-/// A blacklisted host.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-pub struct BlacklistedHost {
-    /// Host name or address, as discovery gave it.
-    pub host: String,
-    /// End of its cooldown in Unix milliseconds (wall-clock time); absent when it is out for good.
-    #[serde(default)]
-    pub until_ms: Option<u64>,
-}
+pub use hvd_serve::status::{BlacklistedHost, DriverPhase, DriverStatus, StatusHost};
 
 /// Why the driver's status could not be read.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::crd::{BlacklistSeen, ElasticJob, ElasticJobStatus, Phase};
 use crate::driver_fate::{DriverFate, driver_record, fate};
-use crate::driver_status::{BlacklistedHost, DriverStatus};
+use crate::driver_status::{BlacklistedHost, DriverPhase, DriverStatus};
 use crate::resources::{LABEL_ROLE, Names, ROLE_DRIVER, ROLE_WORKER};
 
 /// One change the reconciler makes.
@@ -290,15 +290,15 @@ pub fn plan(job: &ElasticJob, pods: &[Pod], driver: Option<&DriverStatus>) -> Ve
     actions
 }
 
-/// The driver's phase name (`Pending`, `Running`, `Rescaling`, `Succeeded`, `Failed`, any
-/// case) as a job phase; an unknown name counts as Running.
+/// The driver's phase as a job phase; one this build does not know (a newer driver's) counts
+/// as Running.
 pub(crate) fn driver_phase(s: &DriverStatus) -> Phase {
-    match s.phase.to_ascii_lowercase().as_str() {
-        "rescaling" => Phase::Rescaling,
-        "pending" => Phase::Pending,
-        "succeeded" => Phase::Succeeded,
-        "failed" => Phase::Failed,
-        _ => Phase::Running,
+    match s.phase {
+        DriverPhase::Rescaling => Phase::Rescaling,
+        DriverPhase::Pending => Phase::Pending,
+        DriverPhase::Succeeded => Phase::Succeeded,
+        DriverPhase::Failed => Phase::Failed,
+        DriverPhase::Running | DriverPhase::Unknown => Phase::Running,
     }
 }
 
@@ -521,7 +521,7 @@ mod tests {
 
     fn st(blacklisted: &[&str]) -> DriverStatus {
         DriverStatus {
-            phase: "Running".into(),
+            phase: DriverPhase::Running,
             generation: 7,
             workers: 4,
             blacklisted: blacklisted
@@ -896,18 +896,19 @@ mod tests {
         let j = job("t", 1, 1);
         let pods = [driver(&j, "10.0.0.100"), worker(&j, 0, "10.0.0.1")];
         let mut d = st(&[]);
-        d.phase = "Rescaling".into();
-        assert_eq!(
-            status(&j, &pods, Some(&d), &[], &now()).phase,
-            Phase::Rescaling
-        );
         for (name, phase) in [
+            ("Rescaling", Phase::Rescaling),
             ("Pending", Phase::Pending),
+            ("Running", Phase::Running),
             ("Succeeded", Phase::Succeeded),
-            ("failed", Phase::Failed),
-            ("something new", Phase::Running),
+            ("Failed", Phase::Failed),
+            ("SomethingNew", Phase::Running),
         ] {
-            d.phase = name.into();
+            // As the driver writes it, read as the operator reads it.
+            let body = format!("{{\"phase\":\"{name}\"}}");
+            d.phase = serde_json::from_str::<DriverStatus>(&body)
+                .map(|s| s.phase)
+                .unwrap_or_else(|e| panic!("{body}: {e}"));
             assert_eq!(
                 status(&j, &pods, Some(&d), &[], &now()).phase,
                 phase,

@@ -1,7 +1,8 @@
 //! The HTTP plumbing the driver's API and the operator's probes share: a listener on every
 //! interface ([`bind_any`], IPv6 and IPv4 alike), serving an axum [`Router`] until a shutdown
 //! future resolves ([`serve`]), JSON error answers ([`error`], [`not_found`]) and the
-//! Prometheus exposition of a metrics registry ([`metrics`]).
+//! Prometheus exposition of a metrics registry ([`metrics`]), and the body of the driver's
+//! `GET /status` that the operator reads ([`status`]).
 //!
 //! Routers are built by the crates that own the endpoints (`status::router`,
 //! `probes::router`) and tested there without sockets; this crate only runs them.
@@ -14,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use tokio::net::TcpListener;
 
 pub mod metrics;
+pub mod status;
 
 /// Binds `port` on every interface for `what` (a rendezvous, a status or probe endpoint): `[::]`,
 /// taking IPv4 clients too, or `0.0.0.0` (with a warning) where the host has no IPv6.
