@@ -777,6 +777,11 @@ fn start(
         cmd.env_remove(k);
     }
     cmd.envs(env);
+    // This agent starts it: its SIGTERM is a stop, anyone else's a notice (an hvd worker's).
+    cmd.env(
+        hvd_rendezvous::ENV_LAUNCHER_PID,
+        std::process::id().to_string(),
+    );
     if let Some(dir) = cwd {
         if !std::path::Path::new(dir).is_dir() {
             return Err(format!(

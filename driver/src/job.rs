@@ -818,6 +818,10 @@ impl Conns<'_> {
                 heard_from(&mut self.heard, worker);
                 tracing::warn!(rank = worker, %reason, "a worker of a static job asked for a new round; static jobs have one");
             }
+            Wire::Notice { worker, source, .. } => {
+                heard_from(&mut self.heard, worker);
+                tracing::warn!(rank = worker, %source, "a worker of a static job gave notice that its host is going away; a static job can't go on without it");
+            }
             // A static job never aborts a round.
             Wire::AbortSeen { worker, .. }
             | Wire::Synced { worker, .. }

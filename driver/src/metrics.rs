@@ -46,6 +46,12 @@ struct RefusedLabel {
     reason: &'static str,
 }
 
+/// Who gave a host notice.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NoticeLabel {
+    source: &'static str,
+}
+
 type Rate = Gauge<f64, std::sync::atomic::AtomicU64>;
 
 /// Rank 0's counts since its process started, as it reports them.
@@ -78,6 +84,7 @@ pub struct Metrics {
     worker_failures: Counter,
     failovers: Counter,
     refused: Family<RefusedLabel, Counter>,
+    notices: Family<NoticeLabel, Counter>,
     steps: Rate,
     allreduces: Rate,
     allreduce_bytes: Rate,
@@ -100,6 +107,19 @@ impl Metrics {
              by service and reason",
             refused.clone(),
         );
+        let notices = Family::<NoticeLabel, Counter>::default();
+        r.register(
+            "hvd_preemption_notices",
+            "Hosts that gave notice they are going away (a SIGTERM to a worker, a cloud's \
+             preemption notice), by source; each host's first notice counts",
+            notices.clone(),
+        );
+        for source in hvd_rendezvous::NoticeSource::ALL {
+            // Created at 0, so every source is exported before its first notice.
+            drop(notices.get_or_create(&NoticeLabel {
+                source: source.name(),
+            }));
+        }
         let gauge = |r: &mut Registry, name: &str, help: &str| {
             let g = Gauge::default();
             r.register(name, help, g.clone());
@@ -196,6 +216,7 @@ impl Metrics {
             ),
             phase,
             refused,
+            notices,
             registry: Arc::new(r),
         };
         m.failovers.inc_by(failovers);
@@ -273,6 +294,15 @@ impl Observer {
             Input::Unresponsive { worker, .. } if core.is_live(*worker) => {
                 self.metrics.heartbeat_failures.inc();
                 true
+            }
+            Input::Notice { host, source, .. } if !core.is_noticed(host) => {
+                self.metrics
+                    .notices
+                    .get_or_create(&NoticeLabel {
+                        source: source.name(),
+                    })
+                    .inc();
+                false
             }
             _ => false,
         };
@@ -370,6 +400,7 @@ mod tests {
             hosts: vec![("a".into(), 1), ("b".into(), 1)],
             blacklisted: vec![("c".into(), None)],
             resets,
+            noticed: vec![],
         }
     }
 
@@ -387,6 +418,59 @@ mod tests {
 
     fn secs(s: f64) -> Duration {
         Duration::from_secs_f64(s)
+    }
+
+    #[test]
+    fn each_hosts_first_notice_is_counted_by_source_and_none_is_a_failure() {
+        let m = Metrics::new(0);
+        let mut o = Observer::new(m.clone(), Duration::ZERO, &snap(JobPhase::Running, 1, 0));
+        let mut core = Core::new(Config {
+            np: 1,
+            min_np: 1,
+            max_np: 2,
+            elastic_timeout: secs(60.0),
+            round_timeout: secs(60.0),
+            reset_limit: None,
+            cooldown: None,
+            seed: 1,
+        });
+        let t = text(&m);
+        for source in hvd_rendezvous::NoticeSource::ALL {
+            let series = format!("hvd_preemption_notices_total{{source=\"{source}\"}}");
+            assert_eq!(
+                value(&t, &series),
+                0.0,
+                "every source is exported from the start"
+            );
+        }
+        let notice = |host: &str, source| Input::Notice {
+            host: host.into(),
+            source,
+            within: Some(secs(120.0)),
+        };
+        for (i, input) in [
+            notice("a", hvd_rendezvous::NoticeSource::Aws),
+            notice("a", hvd_rendezvous::NoticeSource::Sigterm),
+            notice("b", hvd_rendezvous::NoticeSource::Sigterm),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let now = secs(1.0 + i as f64);
+            o.input(now, &input, &core);
+            core.handle(now, input);
+        }
+        let t = text(&m);
+        assert_eq!(
+            value(&t, "hvd_preemption_notices_total{source=\"aws\"}"),
+            1.0
+        );
+        assert_eq!(
+            value(&t, "hvd_preemption_notices_total{source=\"sigterm\"}"),
+            1.0,
+            "a's second notice is not counted again"
+        );
+        assert_eq!(value(&t, "hvd_worker_failures_total"), 0.0);
     }
 
     #[test]

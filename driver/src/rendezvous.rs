@@ -91,6 +91,15 @@ pub enum Wire {
         /// The worker.
         worker: u64,
     },
+    /// A registered worker says its host is going away.
+    Notice {
+        /// The worker.
+        worker: u64,
+        /// Who gave the notice.
+        source: hvd_rendezvous::NoticeSource,
+        /// How long the host has left, as the notice says.
+        within: Option<std::time::Duration>,
+    },
     /// A registered worker's connection closed; `clean` when it said goodbye first.
     Left {
         /// The worker.
@@ -381,6 +390,18 @@ async fn handle(
             }
             WorkerMsg::Pong { .. } => {
                 if events.send(Wire::Pong { worker }).await.is_err() {
+                    return Ok(());
+                }
+            }
+            WorkerMsg::Notice {
+                source, within_ms, ..
+            } => {
+                let ev = Wire::Notice {
+                    worker,
+                    source,
+                    within: within_ms.map(std::time::Duration::from_millis),
+                };
+                if events.send(ev).await.is_err() {
                     return Ok(());
                 }
             }

@@ -115,6 +115,7 @@ mod tests {
                 hosts: vec![("h\u{e9}".into(), 1)],
                 blacklisted: vec![],
                 resets: 0,
+                noticed: vec![],
             },
             epoch: UNIX_EPOCH,
         }
@@ -190,6 +191,7 @@ mod tests {
                     ("10.0.0.3".into(), None),
                 ],
                 resets: 2,
+                noticed: vec![],
             },
             epoch: UNIX_EPOCH + Duration::from_secs(1000),
         };

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use serde_json::Value;
-use support::{Job, Line, check_counter, example, rendezvous_of, scratch, signal, steps_rerun};
+use support::{
+    Job, Line, check_counter, example, http_get, rendezvous_of, scratch, signal, steps_rerun,
+};
 
 const HOSTS2: &[&str] = &["127.0.0.2:2", "127.0.0.3:2"];
 const COUNTER: &[&str] = &["--steps", "250", "--commit-every", "5", "--step-ms", "10"];
@@ -484,24 +486,6 @@ fn the_background_engine_survives_a_reset() {
         .collect();
     assert_eq!(done.len(), 2, "{done:?}");
     assert_eq!(done[0]["steps"], done[1]["steps"], "{done:?}");
-}
-
-/// `GET path` on `port` of this machine; returns the status code and the body.
-fn http_get(port: u16, method: &str, path: &str) -> (u16, String) {
-    use std::io::Write;
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").expect("request");
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).expect("response");
-    let (head, body) = resp.split_once("\r\n\r\n").expect("a head");
-    let code = head
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .expect("a status code");
-    (code, body.to_string())
 }
 
 #[test]

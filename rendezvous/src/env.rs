@@ -30,6 +30,12 @@ pub const ENV_AGENT_SECRET: &str = "HVD_AGENT_SECRET";
 pub const ENV_STATE_STORE_USERNAME: &str = "HVD_STATE_STORE_USERNAME";
 /// The state store's (etcd's) password.
 pub const ENV_STATE_STORE_PASSWORD: &str = "HVD_STATE_STORE_PASSWORD";
+/// Seconds a worker that got a SIGTERM may take to leave the job gracefully before it ends at
+/// once (default 30, Kubernetes' termination grace).
+pub const ENV_NOTICE_GRACE: &str = "HVD_NOTICE_GRACE";
+/// The process id of the launcher that started this worker (the driver or an agent): its
+/// SIGTERM stops the worker at once; a SIGTERM from anyone else is a notice.
+pub const ENV_LAUNCHER_PID: &str = "HVD_LAUNCHER_PID";
 /// The address this worker binds its collective listener to (`127.0.0.3` for a local "host").
 pub const ENV_BIND_ADDR: &str = "HVD_BIND_ADDR";
 /// A network interface whose IPv4 address the worker binds to (`--network-interface`).

@@ -11,6 +11,7 @@ mod assign;
 mod auth;
 mod env;
 mod msg;
+mod notice;
 mod vars;
 
 pub use assign::{AssignError, HostSlots, SlotInfo, assign_static};
@@ -20,4 +21,5 @@ pub use hvd_auth::{Opener, Sealer, Session};
 pub use msg::{
     DriverMsg, HostsUpdate, MAX_LINE, Placement, ProtocolError, WorkerMsg, decode_line, encode_line,
 };
+pub use notice::{NOTICE_HOLD_DEFAULT, NoticeSource, SIGTERM_GRACE_DEFAULT};
 pub use vars::{HOROVOD_VARS, Meaning, build_switch, check_backend, horovod_var};

@@ -74,6 +74,17 @@ pub enum WorkerMsg {
         /// Bytes of the buffers allreduced.
         allreduce_bytes: u64,
     },
+    /// The worker's host is going away (`source` says who said so): the driver takes the host
+    /// out of the job gracefully, as if discovery had dropped it, without blacklisting it. The
+    /// worker trains on until the round without it has formed.
+    Notice {
+        /// The worker's id.
+        worker: u64,
+        /// Who gave the notice.
+        source: crate::NoticeSource,
+        /// Milliseconds the host has left, as the notice says (`None`: it named no deadline).
+        within_ms: Option<u64>,
+    },
     /// The worker is leaving cleanly (`hvd::shutdown`).
     Goodbye {
         /// The worker's id.

@@ -239,6 +239,12 @@ impl Client {
                 }),
             },
         );
+        if l.elastic {
+            let writer = Arc::clone(&writer);
+            crate::notice::watch_sigterm(l.worker, l.launcher_pid, l.notice_grace, move |msg| {
+                send(&writer, msg).is_ok()
+            });
+        }
         let mut client = Self {
             writer,
             leaving,

@@ -69,6 +69,12 @@ pub struct Launch {
     /// With a state store (`HVD_DRIVER_GRACE`): how long this worker trains on without its
     /// driver, reconnecting, before it exits. `None`: it exits as soon as the driver is gone.
     pub driver_grace: Option<Duration>,
+    /// How long this worker may take to leave gracefully after a SIGTERM before it ends at once
+    /// (`HVD_NOTICE_GRACE`, default 30 s).
+    pub notice_grace: Duration,
+    /// The process that launched this worker (`HVD_LAUNCHER_PID`): its SIGTERM is a stop, not a
+    /// notice.
+    pub launcher_pid: Option<u32>,
     /// For tests only (`HVD_TEST_CONNECT_DELAY_MS`): the most a worker waits, a different
     /// time each round, before connecting a round's world, so that the connecting of a round
     /// spans long enough for a test to kill a member in the middle of it. Zero otherwise.
@@ -190,6 +196,18 @@ impl Launch {
             driver_grace: match env.var(rv::ENV_DRIVER_GRACE) {
                 None => None,
                 Some(_) => Some(seconds(env, rv::ENV_DRIVER_GRACE, 60.0)?),
+            },
+            notice_grace: seconds(
+                env,
+                rv::ENV_NOTICE_GRACE,
+                rv::SIGTERM_GRACE_DEFAULT.as_secs_f64(),
+            )?,
+            launcher_pid: match env.var(rv::ENV_LAUNCHER_PID) {
+                None => None,
+                Some(v) => Some(v.trim().parse().map_err(|_| Error::Env {
+                    var: rv::ENV_LAUNCHER_PID,
+                    detail: format!("'{v}' is not a process id"),
+                })?),
             },
             connect_delay: match env.var(ENV_TEST_CONNECT_DELAY_MS) {
                 None => Duration::ZERO,

@@ -25,6 +25,7 @@ mod client;
 pub mod elastic;
 mod error;
 mod launch;
+mod notice;
 mod process_set;
 
 use std::net::TcpListener;

@@ -15,12 +15,18 @@
 //! next round, so that round's sync takes the state from it; once a member that stays reports
 //! its sync ([`Input::Synced`]), the workers move to a round without it and it exits 0. Only a
 //! failure can lose the state.
+//!
+//! A host that gave notice ([`Input::Notice`]: a spot preemption warning, a SIGTERM to one of
+//! its workers) is drained the same way, although discovery still lists it, and is not
+//! blacklisted: it is kept out until its notice's deadline has passed.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
 use hvd_discovery::{Blacklist, CooldownRange, HostSpec};
-use hvd_rendezvous::{HostSlots, Placement, SlotInfo, assign_static};
+use hvd_rendezvous::{
+    HostSlots, NOTICE_HOLD_DEFAULT, NoticeSource, Placement, SlotInfo, assign_static,
+};
 
 /// A worker process's driver-given id.
 pub type WorkerId = u64;
@@ -94,6 +100,18 @@ pub enum Input {
         worker: WorkerId,
         /// How long it has been silent.
         silent: Duration,
+    },
+    /// A host is going away: one of its workers got a SIGTERM, or a watcher read a cloud's
+    /// preemption notice. The host is drained like one that left discovery, without a
+    /// blacklisting, and kept out of the job until [`NOTICE_MARGIN`] after its deadline
+    /// (`within`; `None`: [`NOTICE_HOLD_DEFAULT`]).
+    Notice {
+        /// The host.
+        host: String,
+        /// Who gave the notice.
+        source: NoticeSource,
+        /// How long the host has left, as the notice says.
+        within: Option<Duration>,
     },
     /// A worker process ended.
     Exited {
@@ -207,6 +225,20 @@ pub struct Snapshot {
     pub blacklisted: Vec<(String, Option<Duration>)>,
     /// Resets so far (rounds after the first).
     pub resets: u64,
+    /// Hosts kept out after a notice: name, who gave it, and when it is over.
+    pub noticed: Vec<(String, NoticeSource, Duration)>,
+}
+
+/// How long past its notice's deadline a host is still kept out: a preempted machine leaves
+/// discovery only once the cloud's API stops listing it, a poll or two after it went.
+pub const NOTICE_MARGIN: Duration = Duration::from_secs(60);
+
+/// A host's notice, as the core keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Noticed {
+    source: NoticeSource,
+    /// When the host may come back, if discovery still lists it.
+    until: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -290,6 +322,9 @@ pub struct Core {
     /// A worker failed before the first round completed: from then on the job recovers like
     /// after any failure, with `--min-np` slots, instead of waiting for `-np`.
     failed_early: bool,
+    /// Hosts that gave notice, kept out of the job until their deadline.
+    #[serde(default)]
+    noticed: BTreeMap<String, Noticed>,
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -328,6 +363,7 @@ impl Core {
             discovery_error: None,
             keeping: None,
             failed_early: false,
+            noticed: BTreeMap::new(),
         }
     }
 
@@ -379,6 +415,11 @@ impl Core {
         self.workers.get(&id).is_some_and(Worker::live)
     }
 
+    /// Whether `host` gave a notice that still keeps it out of the job.
+    pub fn is_noticed(&self, host: &str) -> bool {
+        self.noticed.contains_key(host)
+    }
+
     /// Live workers of the job.
     pub fn live_workers(&self) -> Vec<WorkerId> {
         self.workers
@@ -417,6 +458,11 @@ impl Core {
             .into_iter()
             .map(|h| (h.to_string(), self.cooldown_ends.get(h).copied().flatten()))
             .collect();
+        let noticed = self
+            .noticed
+            .iter()
+            .map(|(h, n)| (h.clone(), n.source, n.until))
+            .collect();
         Snapshot {
             phase,
             generation: self.generation,
@@ -424,6 +470,7 @@ impl Core {
             hosts,
             blacklisted,
             resets: self.resets as u64,
+            noticed,
         }
     }
 
@@ -435,7 +482,11 @@ impl Core {
             .filter(|w| w.live())
             .filter_map(|w| w.due);
         let wait = self.waiting_since.map(|t| t + self.cfg.elastic_timeout);
-        dues.chain(wait).chain(self.blacklist.next_expiry()).min()
+        let notices = self.noticed.values().map(|n| n.until);
+        dues.chain(wait)
+            .chain(self.blacklist.next_expiry())
+            .chain(notices)
+            .min()
     }
 
     /// Takes one input at time `now` (since the job began) and returns what to do.
@@ -483,6 +534,11 @@ impl Core {
             Input::Unresponsive { worker, silent } => {
                 self.unresponsive(now, worker, silent, &mut out);
             }
+            Input::Notice {
+                host,
+                source,
+                within,
+            } => self.notice(now, host, source, within, &mut out),
             Input::Exited { worker, exit } => self.exited(now, worker, &exit, &mut out),
             Input::Tick => {}
         }
@@ -500,9 +556,81 @@ impl Core {
         out.push(Action::Finish { code, message });
     }
 
-    /// Whether a host of the order offers slots (the order holds only usable hosts).
+    /// Whether a host of the order offers slots (the order holds only usable hosts; a
+    /// noticed one stays in it, in its place, but offers none until its notice is over).
     fn has_slots(&self, host: &str) -> bool {
-        self.discovered.get(host).is_some_and(|&s| s > 0)
+        self.discovered.get(host).is_some_and(|&s| s > 0) && !self.noticed.contains_key(host)
+    }
+
+    /// `host` is going away: it offers no slots until `within` has passed, so the next plan
+    /// drains it (its workers leave gracefully, the state handed over first where they hold
+    /// the only copy). The first notice of a host counts; later ones change nothing.
+    fn notice(
+        &mut self,
+        now: Duration,
+        host: String,
+        source: NoticeSource,
+        within: Option<Duration>,
+        out: &mut Vec<Action>,
+    ) {
+        if self.noticed.contains_key(&host) {
+            return;
+        }
+        // Its workers outside the round hold nothing and are told to go (one still starting is
+        // told when it connects). The round's members leave through the next round.
+        let members: HashSet<WorkerId> = self.current.iter().copied().collect();
+        for (id, w) in &mut self.workers {
+            if w.host != host || members.contains(id) {
+                continue;
+            }
+            if !matches!(w.phase, Phase::Starting | Phase::Ready) {
+                continue;
+            }
+            out.push(Action::Remove {
+                worker: *id,
+                reason: "its host gave notice that it is going away".into(),
+            });
+            w.phase = Phase::Leaving;
+            w.due = None;
+        }
+        let deadline = within.unwrap_or(NOTICE_HOLD_DEFAULT);
+        let deadline_s = (deadline.as_secs_f64() * 10.0).round() / 10.0;
+        let workers = self
+            .workers
+            .values()
+            .filter(|w| w.host == host && w.live())
+            .count();
+        tracing::warn!(
+            host = %host,
+            %source,
+            deadline_s,
+            named_deadline = within.is_some(),
+            workers,
+            "host gave notice: it leaves the job gracefully (nothing rolled back, not blacklisted)"
+        );
+        self.noticed.insert(
+            host,
+            Noticed {
+                source,
+                until: now + deadline + NOTICE_MARGIN,
+            },
+        );
+    }
+
+    /// Forgets the notices whose deadline has passed: a host discovery still lists may come
+    /// back (a new machine under the old name, or a worker stopped on a host that stays).
+    fn expire_notices(&mut self, now: Duration) {
+        let over: Vec<String> = self
+            .noticed
+            .iter()
+            .filter(|(_, n)| n.until <= now)
+            .map(|(h, _)| h.clone())
+            .collect();
+        for host in over {
+            if let Some(n) = self.noticed.remove(&host) {
+                tracing::info!(host = %host, source = %n.source, "host's notice is over; it rejoins while discovery lists it");
+            }
+        }
     }
 
     fn discovered(&mut self, now: Duration, hosts: Vec<HostSpec>) {
@@ -968,6 +1096,7 @@ impl Core {
         for r in self.blacklist.expire(now) {
             tracing::info!(host = %r.host, failures = r.failures, "host's blacklist cooldown is over; it rejoins when discovery lists it");
         }
+        self.expire_notices(now);
         self.append_new_hosts(now);
         self.expire_dues(now, out);
         if self.finished {
@@ -1312,6 +1441,13 @@ impl Core {
         if slots == self.announced {
             return;
         }
+        // A member on a noticed host must leave before its deadline: the change is announced
+        // at once, without waiting for new workers to connect (they join a later round).
+        let urgent = self.current.iter().any(|m| {
+            self.workers
+                .get(m)
+                .is_some_and(|w| w.live() && self.noticed.contains_key(&w.host))
+        });
         if let Some(t) = &target {
             let mut all_ready = true;
             for s in t {
@@ -1331,7 +1467,7 @@ impl Core {
                     }
                 }
             }
-            if !all_ready {
+            if !all_ready && !urgent {
                 return;
             }
         }
@@ -1460,6 +1596,7 @@ mod tests {
                 hosts: vec![("a".into(), 2), ("b".into(), 2)],
                 blacklisted: vec![],
                 resets: 0,
+                noticed: vec![],
             }
         );
         let a = core.handle(
@@ -2460,6 +2597,126 @@ mod tests {
             );
         }
         assert_eq!(core.snapshot(secs(10)).phase, JobPhase::Succeeded);
+    }
+
+    fn notice(core: &mut Core, at: u64, host: &str, within: Option<u64>) -> Vec<Action> {
+        core.handle(
+            secs(at),
+            Input::Notice {
+                host: host.into(),
+                source: NoticeSource::Sigterm,
+                within: within.map(secs),
+            },
+        )
+    }
+
+    #[test]
+    fn a_noticed_host_leaves_gracefully_unblacklisted_and_comes_back_after_its_deadline() {
+        let (mut core, ids) = running(cfg(2, 1, 4), &[("a", 1), ("b", 1), ("c", 1)]);
+        let a = notice(&mut core, 3, "b", Some(30));
+        assert_eq!(
+            notified(&a),
+            Some((ids.clone(), vec![], vec!["b".into()])),
+            "{a:?}"
+        );
+        assert!(
+            notice(&mut core, 3, "b", None).is_empty(),
+            "a second notice changes nothing"
+        );
+        assert_eq!(
+            core.next_deadline(),
+            Some(secs(93)),
+            "the notice's end, with its margin"
+        );
+        let mut a = joined(&mut core, 4, ids[0]);
+        assert_eq!(removed(&a), vec![ids[1]], "{a:?}");
+        a.extend(joined(&mut core, 4, ids[2]));
+        assert_eq!(worlds(&a), vec![(ids[0], 0, 2), (ids[2], 1, 2)]);
+        assert!(
+            a.iter()
+                .all(|x| !matches!(x, Action::Stop { .. } | Action::Abort { .. })),
+            "nothing is stopped or aborted: {a:?}"
+        );
+        assert!(
+            joined(&mut core, 4, ids[1]).is_empty(),
+            "the noticed one's join"
+        );
+        assert!(
+            core.handle(
+                secs(5),
+                Input::Exited {
+                    worker: ids[1],
+                    exit: ok()
+                }
+            )
+            .is_empty(),
+            "the noticed worker's exit is neither a failure nor the end"
+        );
+        let snap = core.snapshot(secs(5));
+        assert!(snap.blacklisted.is_empty(), "not blacklisted: {snap:?}");
+        assert_eq!(
+            snap.noticed,
+            vec![("b".into(), NoticeSource::Sigterm, secs(93))]
+        );
+        // Discovery keeps listing b: it is kept out until a margin past the deadline (the
+        // cloud's API may list a preempted machine a while), then gets a worker.
+        assert!(
+            core.handle(secs(20), hosts(&[("a", 1), ("b", 1), ("c", 1)]))
+                .is_empty()
+        );
+        assert!(core.handle(secs(92), Input::Tick).is_empty());
+        let a = core.handle(secs(93), Input::Tick);
+        assert_eq!(started(&a), vec![(3, "b".to_string())], "{a:?}");
+        assert!(core.snapshot(secs(93)).noticed.is_empty());
+    }
+
+    #[test]
+    fn a_notice_for_the_only_holder_of_the_state_hands_it_over_first() {
+        // a holds the state; c and d are new and have not synced when a gives notice.
+        let (mut core, old) = running(cfg(1, 1, 4), &[("a", 1)]);
+        let s = started(&core.handle(secs(2), hosts(&[("a", 1), ("c", 1), ("d", 1)])));
+        let new: Vec<WorkerId> = s.iter().map(|(id, _)| *id).collect();
+        core.handle(secs(2), Input::Registered(new[0]));
+        let a = core.handle(secs(2), Input::Registered(new[1]));
+        assert!(notified(&a).is_some(), "{a:?}");
+        let a = notice(&mut core, 3, "a", Some(120));
+        assert_eq!(
+            notified(&a),
+            Some((old.clone(), vec![], vec!["a".into()])),
+            "{a:?}"
+        );
+        // The new workers wait for their first round: the old one's join completes it.
+        let a = joined(&mut core, 4, old[0]);
+        assert_eq!(
+            worlds(&a),
+            vec![(old[0], 0, 3), (new[0], 1, 3), (new[1], 2, 3)],
+            "the noticed worker is kept as rank 0 to hand the state over: {a:?}"
+        );
+        let a = synced(&mut core, 5, new[0]);
+        assert_eq!(
+            notified(&a),
+            Some((vec![old[0], new[0], new[1]], vec![], vec!["a".into()]))
+        );
+        let mut a = joined(&mut core, 6, new[0]);
+        a.extend(joined(&mut core, 6, new[1]));
+        assert_eq!(removed(&a), vec![old[0]]);
+        assert_eq!(worlds(&a), vec![(new[0], 0, 2), (new[1], 1, 2)]);
+        assert!(core.snapshot(secs(6)).blacklisted.is_empty());
+    }
+
+    #[test]
+    fn a_notice_survives_a_driver_handover() {
+        let (mut core, _) = running(cfg(2, 1, 4), &[("a", 1), ("b", 1)]);
+        notice(&mut core, 3, "b", Some(60));
+        let saved = core.save().expect("saves");
+        let restored = Core::restore(cfg(2, 1, 4), saved).expect("restores");
+        assert!(restored.is_noticed("b"));
+        assert_eq!(restored.next_deadline(), core.next_deadline());
+        // A record written before notices existed reads as none.
+        let mut old = core.save().expect("saves");
+        old.as_object_mut().expect("an object").remove("noticed");
+        let restored = Core::restore(cfg(2, 1, 4), old).expect("restores");
+        assert!(!restored.is_noticed("b"));
     }
 
     #[test]

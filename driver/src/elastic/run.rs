@@ -278,6 +278,12 @@ impl Driver {
                     tracing::info!(worker = id, "a worker reconnected");
                     self.heard.insert(id, Instant::now());
                     self.regs.insert(id, reg);
+                } else if self.handles.contains_key(&id) && !self.core.is_live(id) {
+                    // Removed while it was starting (its host gave notice): told now.
+                    tracing::debug!(worker = id, host = %reg.host, "a removed worker connected; told to go");
+                    reg.send(&DriverMsg::Removed {
+                        reason: "the job has no place for this worker any more".into(),
+                    });
                 } else if self.handles.contains_key(&id) {
                     tracing::debug!(worker = id, host = %reg.host, addr = %reg.addr, pid = reg.pid, "worker connected");
                     self.regs.insert(id, reg);
@@ -319,6 +325,22 @@ impl Driver {
                 self.feed(Input::Synced { worker, generation });
             }
             Wire::Pong { worker } => self.heard_from(worker),
+            Wire::Notice {
+                worker,
+                source,
+                within,
+            } => {
+                self.heard_from(worker);
+                if let Some(host) = self.core.worker_host(worker) {
+                    tracing::info!(worker, %host, %source, within_s = within.map(|d| d.as_secs_f64()), "worker gave notice");
+                    let host = host.to_string();
+                    self.feed(Input::Notice {
+                        host,
+                        source,
+                        within,
+                    });
+                }
+            }
             Wire::Left { worker, clean } => {
                 // It can't answer pings any more; its exit (which follows) is what counts.
                 self.heard.remove(&worker);
@@ -423,6 +445,11 @@ impl Driver {
         .collect();
         if local {
             env.push((rv::ENV_BIND_ADDR.into(), hosts::local_bind_addr(host)));
+            if self.launcher.agents.is_none() {
+                // This driver starts it: its SIGTERM is a stop, anyone else's a notice. An agent
+                // names itself instead.
+                env.push((rv::ENV_LAUNCHER_PID.into(), std::process::id().to_string()));
+            }
         }
         if let Some(i) = &self.spec.network_interface {
             env.push((rv::ENV_NETWORK_INTERFACE.into(), i.clone()));

@@ -48,6 +48,12 @@
 //! Oddities that break no promise (a worker stopped twice, say) are counted and printed.
 //! The same seed replays the same trace: one seed runs twice and the traces' hashes must match.
 //!
+//! Notices (a scenario option) warn of a host's preemption: a random host of the job gives one
+//! with a deadline, and at the deadline it leaves discovery and whatever still runs on it dies.
+//! The core must drain it gracefully before then: no worker starts there while its notice
+//! stands, and no round after the notice trains there, but for one worker kept as rank 0 to
+//! hand the state over.
+//!
 //! Spot fleets (a scenario option) replace every host at once: new hosts arrive, and in the
 //! same poll or up to 20 s later every host listed before them leaves discovery, while the
 //! new workers start, join or sync.
@@ -63,9 +69,9 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::time::{Duration, Instant};
 
 use hvd_discovery::{CooldownRange, HostSpec};
-use hvd_rendezvous::Placement;
+use hvd_rendezvous::{NoticeSource, Placement};
 
-use super::core::{Action, Config, Core, ExitInfo, Input, WorkerId};
+use super::core::{Action, Config, Core, ExitInfo, Input, NOTICE_MARGIN, WorkerId};
 
 /// Returns the violation, naming the seed and the step, when `cond` does not hold.
 macro_rules! ensure {
@@ -99,6 +105,9 @@ const PROGRESS_MS: (u64, u64) = (20_000, 60_000);
 const SYNC_MS: (u64, u64) = (5, 150);
 /// Longest delay from a spot fleet's arrival to the old fleet leaving discovery.
 const SWAP_DRAIN_MS: u64 = 20_000;
+/// Milliseconds from a notice to its host's preemption: GCE's 30 s to AWS's two minutes, and
+/// shorter SIGTERM graces.
+const NOTICE_MS: (u64, u64) = (5_000, 120_000);
 
 /// SplitMix64: a tiny generator with the same stream on every platform.
 struct Rng(u64);
@@ -187,6 +196,8 @@ struct Scenario {
     /// `None` models hung training threads whose connections still answer pings, so that
     /// only the round and progress timeouts catch them.
     heartbeat: Option<Duration>,
+    /// Mean time between preemption notices; `None`: none.
+    notice_every: Option<Duration>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -211,6 +222,10 @@ enum Event {
     Hang,
     /// A frozen worker has answered no ping for the heartbeat timeout.
     Silent(WorkerId),
+    /// Churn: a host of the job gives notice of its preemption.
+    Notice,
+    /// A noticed host's deadline: it leaves discovery and what still runs there dies.
+    Preempt(String),
     /// Discovery runs (and, during churn, the hosts change first).
     Poll,
     /// The churn stops.
@@ -323,6 +338,10 @@ struct Stats {
     lost_to_failures: u64,
     /// Frozen workers the core heard of through the heartbeat while they were still live.
     silent: u64,
+    /// Preemption notices given.
+    notices: u64,
+    /// Noticed hosts that still ran a worker of the job at their deadline.
+    late_drains: u64,
 }
 
 /// How one run ended.
@@ -375,6 +394,9 @@ struct Sim {
     last_update: u64,
     /// Workers that hold the committed state, as far as the cluster knows.
     holders: BTreeSet<WorkerId>,
+    /// Hosts that gave notice, and when the core may use them again (a margin past the
+    /// deadline).
+    noticed: BTreeMap<String, Duration>,
     ending: Option<(u8, String)>,
     trace: Trace,
     stats: Stats,
@@ -424,6 +446,7 @@ impl Sim {
             broken_at: Duration::ZERO,
             last_update: 0,
             holders: BTreeSet::new(),
+            noticed: BTreeMap::new(),
             ending: None,
             trace: Trace(0xCBF2_9CE4_8422_2325),
             stats: Stats::default(),
@@ -480,6 +503,13 @@ impl Sim {
 
     /// Whether the core keeps `host` out at `now` for sure. Without a cooldown this is exact;
     /// with one, the core's jitter may keep it out up to the range's lower bound longer.
+    /// Whether `host`'s notice keeps it out of the job now.
+    fn is_noticed(&self, host: &str) -> bool {
+        self.noticed
+            .get(host)
+            .is_some_and(|&until| self.now < until)
+    }
+
     fn blacklisted(&self, host: &str) -> bool {
         match (self.failures.get(host), self.cooldown) {
             (None, _) => false,
@@ -492,6 +522,9 @@ impl Sim {
     fn usable_hosts(&self) -> (BTreeMap<&str, usize>, BTreeMap<&str, usize>) {
         let (mut lo, mut hi) = (BTreeMap::new(), BTreeMap::new());
         for (h, &s) in &self.discovered {
+            if self.is_noticed(h) {
+                continue;
+            }
             let released = match (self.failures.get(h), self.cooldown) {
                 (None, _) => Some(true),
                 (Some(_), None) => Some(false),
@@ -572,6 +605,10 @@ impl Sim {
         self.push(k, Event::Kill);
         let h = self.rng.gap(self.sc.hang_every);
         self.push(h, Event::Hang);
+        if let Some(every) = self.sc.notice_every {
+            let n = self.rng.gap(every);
+            self.push(n, Event::Notice);
+        }
         self.push(self.sc.churn, Event::EndChurn);
         let limit = self.sc.churn + SETTLE_LIMIT;
         while self.ending.is_none() {
@@ -745,6 +782,8 @@ impl Sim {
                 }
                 Ok(())
             }
+            Event::Notice => self.notice(),
+            Event::Preempt(host) => self.preempt(&host),
             Event::Poll => self.poll(),
             Event::EndChurn => {
                 self.phase = Phase::Settle;
@@ -755,6 +794,77 @@ impl Sim {
                 Ok(())
             }
         }
+    }
+
+    /// Churn: a random host running a worker of the job gives notice, with a random deadline
+    /// and source.
+    fn notice(&mut self) -> Result<(), String> {
+        let Some(every) = self.sc.notice_every else {
+            return Ok(());
+        };
+        if self.phase != Phase::Churn {
+            return Ok(());
+        }
+        let gap = self.rng.gap(every);
+        self.push(gap, Event::Notice);
+        let candidates: BTreeSet<String> = self
+            .procs
+            .values()
+            .filter(|p| p.life != Life::Dead && !self.is_noticed(&p.host))
+            .map(|p| p.host.clone())
+            .filter(|h| self.hosts.contains_key(h))
+            .collect();
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        let Some(host) = candidates
+            .iter()
+            .nth(self.rng.below(candidates.len()))
+            .cloned()
+        else {
+            return Ok(());
+        };
+        let within = self.rng.ms(NOTICE_MS);
+        let source = NoticeSource::ALL[self.rng.below(NoticeSource::ALL.len())];
+        self.stats.notices += 1;
+        self.noticed
+            .insert(host.clone(), self.now + within + NOTICE_MARGIN);
+        self.push(within, Event::Preempt(host.clone()));
+        self.feed(Input::Notice {
+            host,
+            source,
+            within: Some(within),
+        })
+    }
+
+    /// A noticed host's deadline: it leaves discovery (intact: it may come back) and what
+    /// still runs there dies with it.
+    fn preempt(&mut self, host: &str) -> Result<(), String> {
+        let doomed: Vec<WorkerId> = self
+            .procs
+            .iter()
+            .filter(|(_, p)| p.host == host && p.life != Life::Dead)
+            .map(|(id, _)| *id)
+            .collect();
+        if doomed.iter().any(|id| !self.procs[id].told) {
+            self.stats.late_drains += 1;
+            self.note(
+                "a noticed host still ran a worker of the job at its deadline",
+                format!("{host} at t={:.0}s", self.now.as_secs_f64()),
+            );
+        }
+        for id in doomed {
+            self.exit(id, false)?;
+            if self.ending.is_some() {
+                return Ok(());
+            }
+        }
+        if self.phase == Phase::Churn && self.hosts.remove(host).is_some() {
+            self.stats.host_changes += 1;
+            self.departed.push(host.to_string());
+            return self.discover();
+        }
+        Ok(())
     }
 
     /// Slots of the hosts discovery reports that the core does not keep out for good.
@@ -1162,6 +1272,16 @@ impl Sim {
                 t.u64(*worker);
                 t.u64(silent.as_millis() as u64);
             }
+            Input::Notice {
+                host,
+                source,
+                within,
+            } => {
+                t.u64(15);
+                t.str(host);
+                t.str(source.name());
+                t.u64(within.map_or(0, |d| d.as_millis() as u64));
+            }
         }
     }
 
@@ -1362,6 +1482,11 @@ impl Sim {
             !self.blacklisted(&host),
             "worker {worker} started on {host}, which is blacklisted"
         );
+        ensure!(
+            self,
+            !self.is_noticed(&host),
+            "worker {worker} started on {host}, which gave notice"
+        );
         self.stats.started += 1;
         let crashed = self.crashed.contains(&host);
         let hung = (crashed && self.rng.chance(0.5)) || self.rng.chance(self.sc.start_hang);
@@ -1548,6 +1673,7 @@ impl Sim {
             .filter(|&(r, _)| {
                 let lr = expected[r].local_rank;
                 self.discovered.get(&hosts[r]).is_none_or(|&s| s <= lr)
+                    || self.is_noticed(&hosts[r])
             })
             .map(|(_, &m)| m)
             .collect();
@@ -1813,7 +1939,8 @@ fn run_seeds(name: &str, sc: Scenario, seeds: &[u64]) -> Vec<Outcome> {
                      {} killed, {} hung ({} caught by the heartbeat), {} host changes ({} hosts), {} announcements, \
                      {} aborts of held rounds, {} fleet swaps, {} rounds keeping a worker for \
                      the state, {} rounds without it after failures, \
-                     {} failed polls, longest pause {:.0}s; ended at t={:.0}s with {}: {} \
+                     {} failed polls, {} notices ({} hosts still busy at the deadline), \
+                     longest pause {:.0}s; ended at t={:.0}s with {}: {} \
                      [{:.2}s, trace {:016x}]",
                     s.inputs,
                     s.rounds,
@@ -1831,6 +1958,8 @@ fn run_seeds(name: &str, sc: Scenario, seeds: &[u64]) -> Vec<Outcome> {
                     s.kept,
                     s.lost_to_failures,
                     s.failed_polls,
+                    s.notices,
+                    s.late_drains,
                     s.longest_pause.as_secs_f64(),
                     o.end.as_secs_f64(),
                     o.code,
@@ -1878,6 +2007,7 @@ fn base() -> Scenario {
         start_hang: 0.01,
         swap: 0.0,
         heartbeat: None,
+        notice_every: None,
     }
 }
 
@@ -2058,6 +2188,48 @@ fn spot_fleets_amid_failures_lose_the_state_only_to_failures() {
     let seeds: Vec<u64> = (300..308).collect();
     let outcomes = run_seeds("spot fleets with failures", sc, &seeds);
     assert!(outcomes.iter().any(|o| o.stats.kept > 0));
+}
+
+/// Hosts give preemption notices amid the usual churn: each is drained before its deadline
+/// without a failure of its own, nothing starts there meanwhile, and the state is handed over
+/// when the noticed host holds it.
+#[test]
+fn preemption_notices_drain_hosts_gracefully_amid_churn() {
+    let sc = Scenario {
+        notice_every: Some(secs(45)),
+        cooldown: Some((60, 600)),
+        ..base()
+    };
+    let seeds: Vec<u64> = (400..406).collect();
+    let outcomes = run_seeds("notices", sc, &seeds);
+    let notices: u64 = outcomes.iter().map(|o| o.stats.notices).sum();
+    assert!(notices >= 40, "only {notices} notices");
+}
+
+/// Notices alone, nothing failing: every noticed host is drained before its deadline, so no
+/// worker dies and the job ends well.
+#[test]
+fn preemption_notices_alone_cost_no_failure() {
+    let sc = Scenario {
+        notice_every: Some(secs(30)),
+        kill_every: secs(1_000_000),
+        hang_every: secs(1_000_000),
+        start_hang: 0.0,
+        grow: 0.3,
+        ..base()
+    };
+    let seeds: Vec<u64> = (500..508).collect();
+    let outcomes = run_seeds("notices alone", sc, &seeds);
+    for o in &outcomes {
+        assert_eq!(o.code, 0, "{}", o.message);
+        assert_eq!(
+            o.stats.late_drains, 0,
+            "a noticed host was still busy at its deadline"
+        );
+        assert_eq!(o.stats.lost_to_failures, 0);
+    }
+    let notices: u64 = outcomes.iter().map(|o| o.stats.notices).sum();
+    assert!(notices >= 80, "only {notices} notices");
 }
 
 #[test]

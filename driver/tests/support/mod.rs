@@ -772,3 +772,21 @@ pub fn agents(ips: &[&str], secret: &str) -> (Vec<Agent>, u16) {
     }
     panic!("no port free on all of {ips:?}");
 }
+
+/// `method path` on `port` of this machine; returns the status code and the body.
+pub fn http_get(port: u16, method: &str, path: &str) -> (u16, String) {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").expect("request");
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).expect("response");
+    let (head, body) = resp.split_once("\r\n\r\n").expect("a head");
+    let code = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("a status code");
+    (code, body.to_string())
+}
