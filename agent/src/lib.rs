@@ -43,7 +43,7 @@ mod server;
 pub use client::{AgentError, Events, Requests, connect};
 pub use proto::{FromAgent, Held, Stream, ToAgent};
 pub use reaper::reap_orphans;
-pub use server::{Limits, serve, serve_with_limits};
+pub use server::{Limits, serve, serve_with_limits, set_host_env};
 
 pub use hvd_rendezvous::ENV_AGENT_SECRET;
 

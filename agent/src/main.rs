@@ -27,6 +27,12 @@ struct Args {
     /// Always on when the agent is PID 1 (a container's first process).
     #[arg(long)]
     reap_orphans: bool,
+
+    /// Watch this cloud's instance metadata (aws, gce or azure) for a preemption notice: the
+    /// workers this agent starts read it, and at one their host leaves the job gracefully,
+    /// before the machine goes. A driver's `--preemption-watch` takes precedence.
+    #[arg(long, value_name = "CLOUD", value_parser = clap::value_parser!(hvd_rendezvous::Cloud))]
+    preemption_watch: Option<hvd_rendezvous::Cloud>,
 }
 
 /// Exit code for a usage or configuration error (sysexits EX_USAGE).
@@ -115,6 +121,13 @@ async fn run(args: &Args, secret: String) -> anyhow::Result<()> {
                 tracing::error!(error = %e, "cannot reap orphaned processes");
             }
         });
+    }
+    if let Some(cloud) = args.preemption_watch {
+        hvd_agent::set_host_env(vec![(
+            hvd_rendezvous::ENV_PREEMPTION_WATCH.to_string(),
+            cloud.to_string(),
+        )]);
+        tracing::info!(%cloud, "the workers started here watch for preemption notices");
     }
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;

@@ -59,6 +59,16 @@ const CLAIM_WAIT: Duration = Duration::from_secs(5);
 /// Environment variables the agent keeps from the processes it starts.
 const PRIVATE_ENV: &[&str] = &[crate::ENV_AGENT_SECRET];
 
+/// Variables every process the agent starts gets, unless the driver's request sets them: the
+/// host's own settings (`--preemption-watch`). Set once, before serving.
+static HOST_ENV: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
+
+/// Gives every process this agent starts from now on the variables `env`, unless the driver's
+/// request names them itself. Only the first call counts; returns whether it did.
+pub fn set_host_env(env: Vec<(String, String)>) -> bool {
+    HOST_ENV.set(env).is_ok()
+}
+
 /// How many connections an agent serves at once, so that a flood of them (before or after
 /// authentication) can't exhaust its file descriptors or memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -775,6 +785,11 @@ fn start(
     cmd.args(&argv[1..]);
     for k in PRIVATE_ENV {
         cmd.env_remove(k);
+    }
+    for (k, v) in HOST_ENV.get().into_iter().flatten() {
+        if !env.iter().any(|(name, _)| name == k) {
+            cmd.env(k, v);
+        }
     }
     cmd.envs(env);
     // This agent starts it: its SIGTERM is a stop, anyone else's a notice (an hvd worker's).

@@ -207,6 +207,13 @@ pub struct Args {
     #[arg(long = "heartbeat-timeout", value_name = "SECS")]
     pub heartbeat_timeout: Option<f64>,
 
+    /// Elastic: each worker watches its cloud's instance metadata (aws, gce or azure) for a
+    /// preemption notice; at one, its host leaves the job gracefully before the machine goes
+    /// (env HVD_PREEMPTION_WATCH; an `hvd-agent --preemption-watch` does the same for the
+    /// workers it starts).
+    #[arg(long = "preemption-watch", value_name = "CLOUD", value_parser = clap::value_parser!(hvd_rendezvous::Cloud))]
+    pub preemption_watch: Option<hvd_rendezvous::Cloud>,
+
     /// Elastic: more resets than this fail the job (default unlimited).
     #[arg(long = "reset-limit", value_name = "K")]
     pub reset_limit: Option<usize>,

@@ -84,10 +84,11 @@ fn main() -> ExitCode {
     {
         return drive(plan_elastic(&args), elastic::run::run, report_elastic);
     }
-    if args.state_store.is_some() || args.standby {
+    if args.state_store.is_some() || args.standby || args.preemption_watch.is_some() {
         let e = anyhow::anyhow!(
-            "--state-store and --standby apply to elastic jobs (--min-np or \
-             --host-discovery-script): a static job ends with any failure"
+            "--state-store, --standby and --preemption-watch apply to elastic jobs (--min-np \
+             or --host-discovery-script): a static job ends with any failure, and can't let a \
+             host go"
         );
         return drive(
             Err::<((), ()), _>(e),
@@ -431,6 +432,12 @@ fn shared_worker_env(args: &cli::Args) -> anyhow::Result<Vec<(String, String)>> 
             );
         }
         env.push((hvd_rendezvous::ENV_TCP_STREAMS.to_string(), k.to_string()));
+    }
+    if let Some(cloud) = args.preemption_watch {
+        env.push((
+            hvd_rendezvous::ENV_PREEMPTION_WATCH.to_string(),
+            cloud.to_string(),
+        ));
     }
     if let Some(n) = args.cache_capacity {
         env.push((

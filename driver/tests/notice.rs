@@ -9,6 +9,9 @@
 
 mod support;
 
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -175,4 +178,235 @@ fn the_launchers_sigterm_stops_elastic_workers_at_once() {
         "the driver's SIGTERM is a stop, not a notice: the workers took {took:?}\n{err}"
     );
     assert!(!err.contains("gave notice"), "{err}");
+}
+
+/// A cloud's metadata server on loopback, answering as its documentation shows: nothing to
+/// report, until [`FakeCloud::preempt`] names a host, whose workers (the User-Agent names their
+/// host) then read a notice.
+struct FakeCloud {
+    base: String,
+    preempted: Arc<Mutex<Option<String>>>,
+}
+
+impl FakeCloud {
+    /// GCE's (`Metadata-Flavor: Google` both ways) or AWS's (an IMDSv2 token first).
+    fn start(cloud: &'static str) -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", l.local_addr().unwrap());
+        let preempted: Arc<Mutex<Option<String>>> = Arc::default();
+        let p = Arc::clone(&preempted);
+        thread::spawn(move || {
+            for s in l.incoming().flatten() {
+                let p = Arc::clone(&p);
+                thread::spawn(move || {
+                    let mut r = BufReader::new(s.try_clone().unwrap());
+                    let mut head = Vec::new();
+                    loop {
+                        let mut line = String::new();
+                        if r.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                            break;
+                        }
+                        head.push(line.trim().to_string());
+                    }
+                    let Some(request) = head.first() else { return };
+                    let has = |h: &str| head.iter().any(|l| l.eq_ignore_ascii_case(h));
+                    let host = head
+                        .iter()
+                        .find_map(|l| l.split_once("(host ").map(|(_, h)| h.trim_end_matches(')')))
+                        .unwrap_or_default();
+                    let noticed = p.lock().unwrap().as_deref() == Some(host);
+                    let (status, extra, body) = match (cloud, request.as_str()) {
+                        ("gce", r)
+                            if r.starts_with("GET /computeMetadata/v1/instance/preempted ") =>
+                        {
+                            if has("metadata-flavor: google") {
+                                let b = if noticed { "TRUE" } else { "FALSE" };
+                                (200, "Metadata-Flavor: Google\r\n", b.to_string())
+                            } else {
+                                (403, "", "Missing Metadata-Flavor:Google header.".into())
+                            }
+                        }
+                        ("aws", r) if r.starts_with("PUT /latest/api/token ") => {
+                            (200, "", "AQAEAtoken==".to_string())
+                        }
+                        ("aws", _) if !has("x-aws-ec2-metadata-token: AQAEAtoken==") => {
+                            (401, "", String::new())
+                        }
+                        ("aws", r)
+                            if r.starts_with("GET /latest/meta-data/spot/instance-action ")
+                                && noticed =>
+                        {
+                            let at = httpdate_in(Duration::from_secs(120));
+                            (
+                                200,
+                                "",
+                                format!(r#"{{"action": "terminate", "time": "{at}"}}"#),
+                            )
+                        }
+                        _ => (404, "", "Not Found".to_string()),
+                    };
+                    let mut s = s;
+                    let _ = write!(
+                        s,
+                        "HTTP/1.1 {status} X\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                });
+            }
+        });
+        Self { base, preempted }
+    }
+
+    fn preempt(&self, host: &str) {
+        *self.preempted.lock().unwrap() = Some(host.to_string());
+    }
+}
+
+/// Now plus `d` as AWS writes times: `2017-09-18T08:22:00Z`.
+fn httpdate_in(d: Duration) -> String {
+    let t = (std::time::SystemTime::now() + d)
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let (days, secs) = (t / 86_400, t % 86_400);
+    // Civil date from days since the epoch (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
+/// The counter's job with the notice checks every notice test makes: the host left at
+/// size 2 with nothing rolled back, failed or blacklisted, the log naming the source.
+fn assert_left_gracefully(job: Job, source: &str, deadline: &str) {
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 300), 2);
+    assert_eq!(steps_rerun(&lines), 0, "a notice rolls nothing back");
+    assert!(
+        err.contains("host gave notice") && err.contains(&format!("source={source}")),
+        "the log names the source: {err}"
+    );
+    assert!(err.contains(deadline), "and the deadline: {err}");
+    assert!(
+        err.contains("preemption notice: leaving the job gracefully"),
+        "{err}"
+    );
+    assert!(!err.contains("worker failed"), "nothing failed: {err}");
+    assert!(!err.contains("host blacklisted"), "{err}");
+}
+
+#[test]
+fn a_gce_preemption_notice_takes_its_host_out_gracefully() {
+    let cloud = FakeCloud::start("gce");
+    let mut job = Job::start_env(
+        support::scratch("notice-gce"),
+        HOSTS2,
+        &["-np", "4", "--min-np", "2", "--preemption-watch", "gce"],
+        "elastic_counter",
+        COUNTER,
+        &[
+            ("HVD_METADATA_ENDPOINT", &cloud.base),
+            ("HVD_PREEMPTION_POLL", "0.1"),
+        ],
+    );
+    job.wait_step(20, 4);
+    let t = Instant::now();
+    cloud.preempt("127.0.0.3");
+    let first = job.wait_step(1, 2);
+    eprintln!(
+        "GCE notice → training at size 2 after {:?} (polled every 100 ms)",
+        first.at.saturating_duration_since(t)
+    );
+    assert_left_gracefully(job, "gce", "deadline_s=30");
+}
+
+#[test]
+fn an_aws_notice_read_under_an_agent_takes_its_host_out_gracefully() {
+    let cloud = FakeCloud::start("aws");
+    let secret = format!("notice-aws-{}", std::process::id());
+    let env = [
+        ("HVD_METADATA_ENDPOINT", cloud.base.as_str()),
+        ("HVD_PREEMPTION_POLL", "0.1"),
+    ];
+    let (agents, port) = support::agents_with(
+        &["127.0.0.2", "127.0.0.3"],
+        &secret,
+        &["--preemption-watch", "aws"],
+        &env,
+    );
+    let port = port.to_string();
+    let mut job = Job::start_env(
+        support::scratch("notice-aws"),
+        HOSTS2,
+        &[
+            "--launcher",
+            "agent",
+            "--agent-port",
+            &port,
+            "-np",
+            "4",
+            "--min-np",
+            "2",
+        ],
+        "elastic_counter",
+        COUNTER,
+        &[("HVD_AGENT_SECRET", &secret)],
+    );
+    job.parents = agents.iter().map(support::Agent::pid).collect();
+    job.wait_step(20, 4);
+    cloud.preempt("127.0.0.3");
+    job.wait_step(1, 2);
+    // AWS's two minutes, less the moments the notice took to be read.
+    assert_left_gracefully(job, "aws", "deadline_s=1");
+}
+
+#[test]
+fn a_static_job_refuses_to_watch_for_preemption() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args([
+            "-np",
+            "1",
+            "-H",
+            "127.0.0.2:1",
+            "--preemption-watch",
+            "gce",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("--preemption-watch apply to elastic jobs"),
+        "{err}"
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args([
+            "-np",
+            "1",
+            "--min-np",
+            "1",
+            "-H",
+            "127.0.0.2:1",
+            "--preemption-watch",
+            "ibm",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(err.contains("'ibm' is not a cloud hvd watches"), "{err}");
 }

@@ -36,6 +36,14 @@ pub const ENV_NOTICE_GRACE: &str = "HVD_NOTICE_GRACE";
 /// The process id of the launcher that started this worker (the driver or an agent): its
 /// SIGTERM stops the worker at once; a SIGTERM from anyone else is a notice.
 pub const ENV_LAUNCHER_PID: &str = "HVD_LAUNCHER_PID";
+/// The cloud whose instance metadata this worker watches for preemption notices: `aws`, `gce`
+/// or `azure` (`horovodrun --preemption-watch`, or the `hvd-agent` that started it).
+pub const ENV_PREEMPTION_WATCH: &str = "HVD_PREEMPTION_WATCH";
+/// Where the cloud's instance metadata server answers (default `http://169.254.169.254`, the
+/// address all three use); for tests and proxies.
+pub const ENV_METADATA_ENDPOINT: &str = "HVD_METADATA_ENDPOINT";
+/// Seconds between two reads of the cloud's preemption notice (default 2).
+pub const ENV_PREEMPTION_POLL: &str = "HVD_PREEMPTION_POLL";
 /// The address this worker binds its collective listener to (`127.0.0.3` for a local "host").
 pub const ENV_BIND_ADDR: &str = "HVD_BIND_ADDR";
 /// A network interface whose IPv4 address the worker binds to (`--network-interface`).

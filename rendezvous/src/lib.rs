@@ -21,5 +21,5 @@ pub use hvd_auth::{Opener, Sealer, Session};
 pub use msg::{
     DriverMsg, HostsUpdate, MAX_LINE, Placement, ProtocolError, WorkerMsg, decode_line, encode_line,
 };
-pub use notice::{NOTICE_HOLD_DEFAULT, NoticeSource, SIGTERM_GRACE_DEFAULT};
+pub use notice::{Cloud, NOTICE_HOLD_DEFAULT, NoticeSource, SIGTERM_GRACE_DEFAULT};
 pub use vars::{HOROVOD_VARS, Meaning, build_switch, check_backend, horovod_var};

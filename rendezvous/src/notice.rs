@@ -52,6 +52,59 @@ impl fmt::Display for NoticeSource {
     }
 }
 
+/// A cloud whose instance metadata a worker watches for preemption notices
+/// (`--preemption-watch`, [`crate::ENV_PREEMPTION_WATCH`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cloud {
+    /// AWS EC2: `spot/instance-action` and the rebalance recommendation, over IMDSv2.
+    Aws,
+    /// Google Compute Engine and GKE: `instance/preempted`.
+    Gce,
+    /// Azure: Scheduled Events of type `Preempt`.
+    Azure,
+}
+
+impl Cloud {
+    /// Every cloud.
+    pub const ALL: [Self; 3] = [Self::Aws, Self::Gce, Self::Azure];
+
+    /// The cloud's name, as flags and the environment spell it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Aws => "aws",
+            Self::Gce => "gce",
+            Self::Azure => "azure",
+        }
+    }
+
+    /// The source its notices are counted under.
+    pub const fn source(self) -> NoticeSource {
+        match self {
+            Self::Aws => NoticeSource::Aws,
+            Self::Gce => NoticeSource::Gce,
+            Self::Azure => NoticeSource::Azure,
+        }
+    }
+}
+
+impl fmt::Display for Cloud {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Cloud {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|c| c.name() == s.trim())
+            .ok_or_else(|| format!("'{s}' is not a cloud hvd watches: use aws, gce or azure"))
+    }
+}
+
 /// How long a host is kept out of the job after a notice that named no deadline: AWS's two
 /// minutes, the longest any cloud gives.
 pub const NOTICE_HOLD_DEFAULT: Duration = Duration::from_secs(120);
@@ -77,5 +130,18 @@ mod tests {
         names.sort_unstable();
         assert_eq!(names, sorted, "ALL is in the order of the names");
         assert!(serde_json::from_str::<NoticeSource>("\"ibm\"").is_err());
+    }
+
+    #[test]
+    fn clouds_are_read_by_name_and_a_wrong_one_is_named() {
+        for c in Cloud::ALL {
+            assert_eq!(c.name().parse::<Cloud>(), Ok(c));
+            assert_eq!(c.source().name(), c.name());
+        }
+        let err = "ibm".parse::<Cloud>().unwrap_err();
+        assert!(
+            err.contains("'ibm'") && err.contains("aws, gce or azure"),
+            "{err}"
+        );
     }
 }

@@ -240,10 +240,20 @@ impl Client {
             },
         );
         if l.elastic {
-            let writer = Arc::clone(&writer);
+            let w = Arc::clone(&writer);
             crate::notice::watch_sigterm(l.worker, l.launcher_pid, l.notice_grace, move |msg| {
-                send(&writer, msg).is_ok()
+                send(&w, msg).is_ok()
             });
+            if let Some(cloud) = l.preemption_watch {
+                let w = Arc::clone(&writer);
+                crate::preemption::watch(
+                    cloud,
+                    &l.metadata_endpoint,
+                    l.preemption_poll,
+                    (l.worker, &l.hostname),
+                    move |msg| send(&w, msg).is_ok(),
+                );
+            }
         }
         let mut client = Self {
             writer,

@@ -75,6 +75,12 @@ pub struct Launch {
     /// The process that launched this worker (`HVD_LAUNCHER_PID`): its SIGTERM is a stop, not a
     /// notice.
     pub launcher_pid: Option<u32>,
+    /// The cloud whose preemption notices this worker watches (`HVD_PREEMPTION_WATCH`).
+    pub preemption_watch: Option<rv::Cloud>,
+    /// Where that cloud's metadata server answers (`HVD_METADATA_ENDPOINT`).
+    pub metadata_endpoint: String,
+    /// How often the notice is read (`HVD_PREEMPTION_POLL`, default 2 s).
+    pub preemption_poll: Duration,
     /// For tests only (`HVD_TEST_CONNECT_DELAY_MS`): the most a worker waits, a different
     /// time each round, before connecting a round's world, so that the connecting of a round
     /// spans long enough for a test to kill a member in the middle of it. Zero otherwise.
@@ -209,6 +215,23 @@ impl Launch {
                     detail: format!("'{v}' is not a process id"),
                 })?),
             },
+            preemption_watch: match env.var(rv::ENV_PREEMPTION_WATCH) {
+                None => None,
+                Some(v) if v.trim().is_empty() => None,
+                Some(v) => Some(v.parse().map_err(|detail| Error::Env {
+                    var: rv::ENV_PREEMPTION_WATCH,
+                    detail,
+                })?),
+            },
+            metadata_endpoint: env
+                .var(rv::ENV_METADATA_ENDPOINT)
+                .filter(|v| !v.trim().is_empty())
+                .unwrap_or_else(|| crate::preemption::METADATA_DEFAULT.to_string()),
+            preemption_poll: seconds(
+                env,
+                rv::ENV_PREEMPTION_POLL,
+                crate::preemption::POLL_DEFAULT.as_secs_f64(),
+            )?,
             connect_delay: match env.var(ENV_TEST_CONNECT_DELAY_MS) {
                 None => Duration::ZERO,
                 Some(v) => Duration::from_millis(v.trim().parse().map_err(|_| Error::Env {

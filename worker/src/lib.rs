@@ -26,6 +26,7 @@ pub mod elastic;
 mod error;
 mod launch;
 mod notice;
+mod preemption;
 mod process_set;
 
 use std::net::TcpListener;

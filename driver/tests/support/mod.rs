@@ -728,8 +728,20 @@ fn agent_binary() -> PathBuf {
 
 /// Starts an agent on `listen`; `None` when it could not listen there.
 pub fn start_agent(listen: &str, secret: &str) -> Option<(Agent, String)> {
+    start_agent_with(listen, secret, &[], &[])
+}
+
+/// [`start_agent`] with more arguments and environment variables.
+pub fn start_agent_with(
+    listen: &str,
+    secret: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Option<(Agent, String)> {
     let mut child = Command::new(agent_binary())
         .args(["--listen", listen])
+        .args(args)
+        .envs(env.iter().copied())
         .env(SECRET_VAR, secret)
         .env("RUST_LOG", "info")
         .stderr(Stdio::piped())
@@ -756,12 +768,23 @@ pub fn start_agent(listen: &str, secret: &str) -> Option<(Agent, String)> {
 
 /// One agent on each of `ips`, all on one free port; returns them and the port.
 pub fn agents(ips: &[&str], secret: &str) -> (Vec<Agent>, u16) {
+    agents_with(ips, secret, &[], &[])
+}
+
+/// [`agents`] with more arguments and environment variables for each.
+pub fn agents_with(
+    ips: &[&str],
+    secret: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (Vec<Agent>, u16) {
     for _ in 0..10 {
-        let (first, addr) = start_agent(&format!("{}:0", ips[0]), secret).expect("first agent");
+        let (first, addr) =
+            start_agent_with(&format!("{}:0", ips[0]), secret, args, env).expect("first agent");
         let port: u16 = addr.rsplit_once(':').unwrap().1.parse().unwrap();
         let mut all = vec![first];
         for ip in &ips[1..] {
-            match start_agent(&format!("{ip}:{port}"), secret) {
+            match start_agent_with(&format!("{ip}:{port}"), secret, args, env) {
                 Some((a, _)) => all.push(a),
                 None => break, // the port is taken there; try another
             }
