@@ -21,6 +21,7 @@ use tokio::time::{Instant, MissedTickBehavior, sleep_until};
 
 use crate::agent::{Agents, Remote};
 use crate::hosts;
+use crate::liveness::{self, Heartbeats};
 use crate::rendezvous::{self, Registration, Wire};
 
 /// Grace between SIGTERM and SIGKILL when stopping workers.
@@ -694,22 +695,18 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
         slots: &spec.slots,
         started,
         regs: (0..size).map(|_| None).collect(),
-        heard: vec![None; size],
+        heard: Heartbeats::new(spec.heartbeat_timeout),
         world_sent: false,
     };
     let mut running = handles.iter().filter(|h| h.is_some()).count();
     let mut exited = vec![false; size];
-    let mut pings = tokio::time::interval(rendezvous::ping_period(spec.heartbeat_timeout));
+    let mut pings = tokio::time::interval(liveness::ping_period(spec.heartbeat_timeout));
     pings.set_missed_tick_behavior(MissedTickBehavior::Delay);
     while outcome.is_none() && running > 0 {
-        let silence = conns
-            .heard
-            .iter()
-            .flatten()
-            .min()
-            .map_or(started + Duration::from_secs(3600 * 24 * 365), |&t| {
-                t + spec.heartbeat_timeout
-            });
+        let silence = conns.heard.next_silence().map_or(
+            started + Duration::from_secs(3600 * 24 * 365),
+            Instant::from_std,
+        );
         tokio::select! {
             Some(ev) = wire_rx.recv() => conns.wire(ev),
             _ = pings.tick() => conns.ping(),
@@ -718,12 +715,9 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
                 while let Ok(ev) = wire_rx.try_recv() {
                     conns.wire(ev);
                 }
-                let now = Instant::now();
-                let frozen = conns.heard.iter().enumerate().find_map(|(rank, t)| {
-                    let silent = now.saturating_duration_since((*t)?);
-                    (silent >= spec.heartbeat_timeout).then_some((rank, silent))
-                });
-                if let Some((rank, silent)) = frozen {
+                let frozen = conns.heard.take_silent(Instant::now().into_std());
+                if let Some(&(rank, silent)) = frozen.first() {
+                    let rank = rank as usize;
                     let host = spec.slots[rank].host.clone();
                     tracing::warn!(rank, %host, silent_s = silent.as_secs_f64(), "worker stopped answering the driver (frozen?); a static job can't go on without it");
                     outcome = Some(Outcome::Unresponsive { rank, host, silent });
@@ -736,7 +730,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<Outcome> {
                         continue;
                     }
                     exited[rank] = true;
-                    conns.heard[rank] = None;
+                    conns.heard.forget(worker);
                     running -= 1;
                     let host = spec.slots[rank].host.clone();
                     match end {
@@ -781,7 +775,7 @@ struct Conns<'a> {
     slots: &'a [SlotInfo],
     started: Instant,
     regs: Vec<Option<Registration>>,
-    heard: Vec<Option<Instant>>,
+    heard: Heartbeats,
     world_sent: bool,
 }
 
@@ -789,10 +783,8 @@ impl Conns<'_> {
     /// Handles one message of the rendezvous connections.
     fn wire(&mut self, ev: Wire) {
         let size = self.regs.len();
-        let heard_from = |heard: &mut Vec<Option<Instant>>, worker: u64| {
-            if let Some(Some(t)) = heard.get_mut(worker as usize) {
-                *t = Instant::now();
-            }
+        let heard_from = |heard: &mut Heartbeats, worker: u64| {
+            heard.heard(worker, Instant::now().into_std());
         };
         match ev {
             Wire::Registered(reg) => {
@@ -802,8 +794,8 @@ impl Conns<'_> {
                     return;
                 }
                 tracing::debug!(rank, addr = %reg.addr, pid = reg.pid, "worker registered");
+                self.heard.watch(reg.worker, Instant::now().into_std());
                 self.regs[rank] = Some(reg);
-                self.heard[rank] = Some(Instant::now());
                 if self.regs.iter().all(Option::is_some) {
                     send_world(self.slots, &self.regs);
                     self.world_sent = true;
@@ -830,17 +822,15 @@ impl Conns<'_> {
             }
             Wire::Left { worker, .. } => {
                 // It can't answer pings any more; its exit (which follows) is what counts.
-                if let Some(t) = self.heard.get_mut(worker as usize) {
-                    *t = None;
-                }
+                self.heard.forget(worker);
             }
         }
     }
 
     /// Pings every registered worker whose connection is open.
     fn ping(&self) {
-        for (reg, heard) in self.regs.iter().zip(&self.heard) {
-            if let (Some(r), Some(_)) = (reg, heard) {
+        for rank in self.heard.watched() {
+            if let Some(Some(r)) = self.regs.get(rank as usize) {
                 r.send(&rv::DriverMsg::Ping);
             }
         }

@@ -6,6 +6,7 @@ mod elastic;
 mod horovod;
 mod hosts;
 mod job;
+mod liveness;
 mod lsf;
 mod metrics;
 mod rendezvous;

@@ -24,12 +24,6 @@ use crate::metrics::{Metrics, Progress};
 
 const FIRST_LINE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How often registered workers are pinged: often enough that a live one is never near the
-/// heartbeat timeout.
-pub fn ping_period(heartbeat_timeout: Duration) -> Duration {
-    (heartbeat_timeout / 4).max(Duration::from_millis(10))
-}
-
 /// A worker that proved it holds the job secret.
 #[derive(Debug)]
 pub struct Registration {

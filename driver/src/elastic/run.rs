@@ -27,6 +27,7 @@ use super::control::{Control, StoreSpec};
 use super::core::{Action, Config, Core, ExitInfo, Input, WorkerId};
 use crate::hosts;
 use crate::job::{Ended, Exit, Handle, LaunchMode, Launcher, new_secret, stop_workers};
+use crate::liveness::{self, Heartbeats};
 use crate::metrics::{Metrics, Observer};
 use crate::rendezvous::{self, Registration, Wire};
 use crate::status::{self, Published};
@@ -136,7 +137,7 @@ struct Driver {
     /// When each registered worker whose connection is open was last heard from (any
     /// message counts); a worker leaves it when it is declared silent, closes its connection
     /// or exits.
-    heard: HashMap<WorkerId, Instant>,
+    heard: Heartbeats,
     relays: Vec<tokio::task::JoinHandle<()>>,
     ending: Option<Ending>,
     /// Workers a predecessor started that have not reconnected yet, and until when they may.
@@ -206,7 +207,7 @@ impl Driver {
         }
         self.hosts_of.insert(id, host);
         self.regs.insert(id, reg);
-        self.heard.insert(id, Instant::now());
+        self.heard.watch(id, Instant::now().into_std());
         self.feed(Input::Registered(id));
     }
 
@@ -276,7 +277,7 @@ impl Driver {
                 } else if reg.resume.is_some() && self.handles.contains_key(&id) {
                     // One of this driver's workers whose connection dropped and came back.
                     tracing::info!(worker = id, "a worker reconnected");
-                    self.heard.insert(id, Instant::now());
+                    self.heard.watch(id, Instant::now().into_std());
                     self.regs.insert(id, reg);
                 } else if self.handles.contains_key(&id) && !self.core.is_live(id) {
                     // Removed while it was starting (its host gave notice): told now.
@@ -287,7 +288,7 @@ impl Driver {
                 } else if self.handles.contains_key(&id) {
                     tracing::debug!(worker = id, host = %reg.host, addr = %reg.addr, pid = reg.pid, "worker connected");
                     self.regs.insert(id, reg);
-                    self.heard.insert(id, Instant::now());
+                    self.heard.watch(id, Instant::now().into_std());
                     self.feed(Input::Registered(id));
                 } else if self.hosts_of.contains_key(&id) {
                     // Counted as ended while it was still starting: its agent was lost (it
@@ -343,7 +344,7 @@ impl Driver {
             }
             Wire::Left { worker, clean } => {
                 // It can't answer pings any more; its exit (which follows) is what counts.
-                self.heard.remove(&worker);
+                self.heard.forget(worker);
                 tracing::debug!(worker, clean, "worker connection closed");
                 // An adopted worker is not this driver's child: its connection is its end.
                 if let Some(ended) = self.adopted.remove(&worker) {
@@ -368,39 +369,21 @@ impl Driver {
     }
 
     fn heard_from(&mut self, worker: WorkerId) {
-        if let Some(t) = self.heard.get_mut(&worker) {
-            *t = Instant::now();
-        }
+        self.heard.heard(worker, Instant::now().into_std());
     }
 
     /// Pings every registered worker whose connection is open.
     fn ping(&self) {
-        for id in self.heard.keys() {
-            if let Some(r) = self.regs.get(id) {
+        for id in self.heard.watched() {
+            if let Some(r) = self.regs.get(&id) {
                 r.send(&DriverMsg::Ping);
             }
         }
     }
 
-    /// When the first worker becomes silent for longer than the heartbeat timeout.
-    fn next_silence(&self) -> Option<Instant> {
-        let timeout = self.spec.heartbeat_timeout;
-        self.heard.values().min().map(|&t| t + timeout)
-    }
-
     /// Tells the core of every worker silent for longer than the heartbeat timeout, once.
     fn declare_silent(&mut self) {
-        let now = Instant::now();
-        let timeout = self.spec.heartbeat_timeout;
-        let mut silent: Vec<(WorkerId, Duration)> = self
-            .heard
-            .iter()
-            .map(|(&w, &t)| (w, now.saturating_duration_since(t)))
-            .filter(|&(_, s)| s >= timeout)
-            .collect();
-        silent.sort_unstable();
-        for (worker, silent) in silent {
-            self.heard.remove(&worker);
+        for (worker, silent) in self.heard.take_silent(Instant::now().into_std()) {
             self.feed(Input::Unresponsive { worker, silent });
         }
     }
@@ -778,6 +761,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     let own_host = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();
+    let heard = Heartbeats::new(spec.heartbeat_timeout);
     let mut d = Driver {
         core,
         spec,
@@ -789,7 +773,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         handles: HashMap::new(),
         hosts_of: HashMap::new(),
         regs: HashMap::new(),
-        heard: HashMap::new(),
+        heard,
         relays: Vec::new(),
         ending: None,
         awaiting: HashMap::new(),
@@ -813,7 +797,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     }
     let mut interrupted = None;
     let mut handing_over = false;
-    let mut pings = tokio::time::interval(rendezvous::ping_period(d.spec.heartbeat_timeout));
+    let mut pings = tokio::time::interval(liveness::ping_period(d.spec.heartbeat_timeout));
     pings.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let far = Duration::from_secs(3600 * 24 * 365);
     while !d.core.finished() && interrupted.is_none() && !handing_over {
@@ -834,7 +818,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             continue;
         }
         let tick = d.core.next_deadline().map_or(d.t0 + far, |t| d.t0 + t);
-        let silence = d.next_silence().unwrap_or(d.t0 + far);
+        let silence = d.heard.next_silence().map_or(d.t0 + far, Instant::from_std);
         let missing = d.awaiting.values().min().copied().unwrap_or(d.t0 + far);
         let lost = async {
             match control.as_mut() {
@@ -852,7 +836,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
                 d.awaiting.remove(&worker);
                 d.handles.remove(&worker);
                 d.regs.remove(&worker);
-                d.heard.remove(&worker);
+                d.heard.forget(worker);
                 d.feed(Input::Exited { worker, exit: describe(end) });
             }
             () = sleep_until(tick) => d.feed(Input::Tick),
