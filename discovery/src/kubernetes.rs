@@ -1,10 +1,13 @@
-//! Hosts from the Kubernetes API: the job's worker pods that are Ready and not being deleted.
+//! Hosts from the Kubernetes API: the job's worker pods that are Ready, not being deleted and
+//! not about to be disrupted.
 //!
 //! [`hosts_from_pods`] is the pure rule that turns pods into hosts; [`watch`] keeps a pod cache
 //! current through a kube-rs watcher (a list, then a watch, re-listed with backoff after errors) and
 //! sends the whole host set whenever it changes. A pod that turns NotReady or gets a deletion
-//! timestamp leaves the set on the event that says so, which is what lets a spot-preemption notice
-//! (pod deletion) reach the driver before the node goes away.
+//! timestamp or the `DisruptionTarget` condition (an eviction, a preemption, a node drain or
+//! taint manager's decision, set before the kubelet's SIGTERM) leaves the set on the event that
+//! says so, which is what lets a spot-preemption notice reach the driver before the node goes
+//! away: the driver drains its workers gracefully.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -96,6 +99,18 @@ fn is_ready(pod: &Pod) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
+/// True when the pod's `DisruptionTarget` condition is `True`: Kubernetes is about to evict or
+/// preempt it, or its node is draining or tainted.
+fn is_disruption_target(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c.type_ == "DisruptionTarget" && c.status == "True")
+        })
+}
+
 /// The hosts among some pods, and the pods left out because their slot count is unusable.
 #[derive(Debug, Default)]
 pub struct PodHosts {
@@ -106,8 +121,8 @@ pub struct PodHosts {
     pub skipped: Vec<KubeDiscoveryError>,
 }
 
-/// The hosts among `pods`, sorted by pod name: pods that are Ready, have no deletion timestamp,
-/// and have an address (a pod IP, or any name when `sel.service` gives them stable DNS).
+/// The hosts among `pods`, sorted by pod name: pods that are Ready, have no deletion timestamp
+/// and no `DisruptionTarget` condition, and have an address (a pod IP, or any name when `sel.service` gives them stable DNS).
 ///
 /// Slots come from the `sel.slots_annotation` annotation, else `sel.default_slots`. A pod whose
 /// annotation is not a positive integer, or that needs a default of 0, is left out and reported
@@ -117,7 +132,8 @@ pub fn hosts_from_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>, sel: &PodSel
     let mut skipped = Vec::new();
     for pod in pods {
         let name = pod.metadata.name.as_deref().unwrap_or_default();
-        if pod.metadata.deletion_timestamp.is_some() || !is_ready(pod) {
+        if pod.metadata.deletion_timestamp.is_some() || is_disruption_target(pod) || !is_ready(pod)
+        {
             continue;
         }
         let host = match &sel.service {
@@ -394,6 +410,33 @@ mod tests {
         ];
         let hosts = hosts_from_pods(&pods, &sel()).hosts;
         assert_eq!(hosts, vec![hs("10.0.0.4", 2)]);
+    }
+
+    #[test]
+    fn a_pod_kubernetes_is_about_to_disrupt_is_left_out_before_its_sigterm() {
+        let target = |status: &str| {
+            let mut p = pod("b", Some("10.0.0.2"), true);
+            if let Some(cs) = p.status.as_mut().and_then(|s| s.conditions.as_mut()) {
+                cs.push(PodCondition {
+                    type_: "DisruptionTarget".into(),
+                    status: status.into(),
+                    reason: Some("PreemptionByScheduler".into()),
+                    ..PodCondition::default()
+                });
+            }
+            p
+        };
+        let pods = [pod("a", Some("10.0.0.1"), true), target("True")];
+        assert_eq!(
+            hosts_from_pods(&pods, &sel()).hosts,
+            vec![hs("10.0.0.1", 2)]
+        );
+        let pods = [pod("a", Some("10.0.0.1"), true), target("False")];
+        assert_eq!(
+            hosts_from_pods(&pods, &sel()).hosts.len(),
+            2,
+            "a condition that is False"
+        );
     }
 
     #[test]

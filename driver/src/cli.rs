@@ -203,7 +203,7 @@ pub struct Args {
     /// Seconds a worker may answer nothing, not even the driver's pings, before it is declared
     /// frozen (stopped, a paused VM, stuck in the kernel), killed, and its host handled as
     /// failed; a worker busy in a long step still answers (env HVD_HEARTBEAT_TIMEOUT, default
-    /// 10). In a static job a frozen worker fails the job.
+    /// 3). In a static job a frozen worker fails the job.
     #[arg(long = "heartbeat-timeout", value_name = "SECS")]
     pub heartbeat_timeout: Option<f64>,
 

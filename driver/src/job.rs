@@ -828,7 +828,8 @@ impl Conns<'_> {
     }
 
     /// Pings every registered worker whose connection is open.
-    fn ping(&self) {
+    fn ping(&mut self) {
+        self.heard.pinged(Instant::now().into_std());
         for rank in self.heard.watched() {
             if let Some(Some(r)) = self.regs.get(rank as usize) {
                 r.send(&rv::DriverMsg::Ping);

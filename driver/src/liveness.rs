@@ -3,7 +3,9 @@
 //! `--heartbeat-timeout` ([`ping_period`]); a thread of the worker's own answers, however long
 //! its training step. A worker heard from by nothing for the timeout is frozen (stopped, a
 //! paused VM, stuck in the kernel): its connection stays open, and only its silence tells it
-//! from a slow one. Times are passed in, so the decisions are pure and testable.
+//! from a slow one. A worker is only blamed for silence across pings the driver sent on time:
+//! a driver held up (waiting for its state store, starved of CPU) pings nobody, and the
+//! silence that follows is its own. Times are passed in, so the decisions are pure and testable.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -14,11 +16,12 @@ pub fn ping_period(heartbeat_timeout: Duration) -> Duration {
     (heartbeat_timeout / 4).max(Duration::from_millis(10))
 }
 
-/// When each watched worker was last heard from.
+/// When each watched worker was last heard from, and when the driver last pinged.
 #[derive(Debug, Clone)]
 pub struct Heartbeats {
     timeout: Duration,
     heard: BTreeMap<u64, Instant>,
+    last_ping: Option<Instant>,
 }
 
 impl Heartbeats {
@@ -27,7 +30,32 @@ impl Heartbeats {
         Self {
             timeout,
             heard: BTreeMap::new(),
+            last_ping: None,
         }
+    }
+
+    /// Whether the driver's last ping is further back than two ping periods at `now`: it was
+    /// held up, and the watched workers' silence since is not theirs.
+    fn behind(&self, now: Instant) -> bool {
+        self.last_ping
+            .is_some_and(|p| now.saturating_duration_since(p) > 2 * ping_period(self.timeout))
+    }
+
+    /// Every watched worker's silence starts again at `now`: the driver was away (held still
+    /// while its state store was unreachable, or behind on its pings).
+    pub fn restart(&mut self, now: Instant) {
+        for t in self.heard.values_mut() {
+            *t = (*t).max(now);
+        }
+    }
+
+    /// The driver pinged every watched worker at `now`. After a gap in its pings, their
+    /// silence starts again.
+    pub fn pinged(&mut self, now: Instant) {
+        if self.behind(now) {
+            self.restart(now);
+        }
+        self.last_ping = Some(now);
     }
 
     /// Starts watching `worker` (its connection opened), as heard from at `now`.
@@ -58,8 +86,12 @@ impl Heartbeats {
     }
 
     /// The workers silent for the timeout at `now`, with how long, by id; they are no longer
-    /// watched, so each is declared once.
+    /// watched, so each is declared once. None while the driver is behind on its pings.
     pub fn take_silent(&mut self, now: Instant) -> Vec<(u64, Duration)> {
+        if self.behind(now) {
+            self.restart(now);
+            return Vec::new();
+        }
         let silent: Vec<(u64, Duration)> = self
             .heard
             .iter()
@@ -109,6 +141,34 @@ mod tests {
         assert_eq!(h.next_silence(), Some(t0 + ms(900)));
         h.forget(3);
         assert!(h.take_silent(t0 + ms(5000)).is_empty());
+    }
+
+    #[test]
+    fn silence_while_the_driver_pinged_nobody_is_not_the_workers() {
+        let t0 = Instant::now();
+        let mut h = Heartbeats::new(ms(1000));
+        h.watch(1, t0);
+        h.pinged(t0);
+        h.pinged(t0 + ms(250));
+        // The driver is held still for 2.5 s: no pings, no answers read.
+        assert!(
+            h.take_silent(t0 + ms(2750)).is_empty(),
+            "the driver was away"
+        );
+        // Pinged on time from then on, the worker stays silent: now the silence is its own.
+        for k in 0..4 {
+            h.pinged(t0 + ms(2750 + 250 * k));
+        }
+        assert!(
+            h.take_silent(t0 + ms(3500)).is_empty(),
+            "its silence started again"
+        );
+        h.pinged(t0 + ms(3750));
+        assert_eq!(h.take_silent(t0 + ms(3750)), vec![(1, ms(1000))]);
+        // A restart after an outage does the same.
+        h.watch(2, t0);
+        h.restart(t0 + ms(5000));
+        assert_eq!(h.next_silence(), Some(t0 + ms(6000)));
     }
 
     #[test]

@@ -178,15 +178,20 @@ fn seconds_from(
     Ok(Duration::from_secs_f64(v))
 }
 
-/// `--heartbeat-timeout`, else `HVD_HEARTBEAT_TIMEOUT`, else 10 s.
+/// `--heartbeat-timeout`, else `HVD_HEARTBEAT_TIMEOUT`, else [`HEARTBEAT_TIMEOUT_DEFAULT`].
 fn heartbeat_timeout(args: &cli::Args) -> anyhow::Result<Duration> {
     seconds(
         args.heartbeat_timeout,
         "--heartbeat-timeout",
         ENV_HEARTBEAT_TIMEOUT,
-        10.0,
+        HEARTBEAT_TIMEOUT_DEFAULT,
     )
 }
+
+/// The heartbeat timeout's default, in seconds: three times the 1 s at which the whole driver
+/// suite, the chaos run and a machine with every core busy declared no live worker frozen
+/// (docs/elastic.md, "Frozen workers").
+const HEARTBEAT_TIMEOUT_DEFAULT: f64 = 3.0;
 
 /// Turns the flags of an elastic job into its spec; everything is checked before anything starts.
 fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {

@@ -344,12 +344,18 @@ fn a_blacklisted_host_returns_after_its_cooldown() {
 #[test]
 fn a_worker_stopped_during_a_round_is_declared_failed_and_the_round_goes_on() {
     let hosts = &["127.0.0.2:2", "127.0.0.3:1", "127.0.0.4:1"];
-    let mut job = Job::start(
-        "sigstop",
-        hosts,
-        &["-np", "4", "--min-np", "2", "--start-timeout", "3"],
-        COUNTER,
-    );
+    // The round's timeout is what this tests: the heartbeat is set out of its way.
+    let flags = [
+        "-np",
+        "4",
+        "--min-np",
+        "2",
+        "--start-timeout",
+        "3",
+        "--heartbeat-timeout",
+        "30",
+    ];
+    let mut job = Job::start("sigstop", hosts, &flags, COUNTER);
     job.wait_step(20, 4);
     // One worker hangs, another dies: the round the death starts must not wait for the hung one.
     // The death comes once the others wait in a call the hung one never entered, so no
@@ -697,6 +703,87 @@ fn a_new_worker_frozen_as_it_joins_is_declared_failed_and_the_job_goes_on() {
     assert!(err.contains("host=127.0.0.3"), "{err}");
     assert!(took < FROZEN_LIMIT, "declared after {took:?}");
     assert_gone(&pids);
+}
+
+/// At `--heartbeat-timeout 1` a frozen worker is declared failed within about a second of
+/// its freeze (its last answer came at most a ping period, 250 ms, before).
+#[test]
+fn at_a_one_second_heartbeat_a_frozen_worker_is_out_within_a_second() {
+    let flags = ["-np", "4", "--min-np", "2", "--heartbeat-timeout", "1"];
+    let mut job = Job::start("frozen-1s", HOSTS2, &flags, SLOW_COUNTER);
+    job.wait_step(20, 4);
+    let victim = job.pid_of_rank(3);
+    signal(victim, Signal::SIGSTOP);
+    let t = Instant::now();
+    job.wait_stderr("stopped answering the driver");
+    let took = t.elapsed();
+    eprintln!("SIGSTOP → declared frozen after {took:?} at --heartbeat-timeout 1");
+    job.wait_step(1, 2);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+    assert!(took < Duration::from_millis(2000), "took {took:?}\n{err}");
+}
+
+/// Processes that keep every core busy (twice as many as cores, at the workers' priority)
+/// while the job trains and one worker computes for four seconds between collectives: at
+/// `--heartbeat-timeout 1` nobody is declared frozen.
+#[test]
+fn at_a_one_second_heartbeat_a_machine_under_full_load_declares_nobody_frozen() {
+    let cores = std::thread::available_parallelism().map_or(2, usize::from);
+    let hogs = CpuHogs::start(2 * cores);
+    let flags = ["-np", "4", "--min-np", "2", "--heartbeat-timeout", "1"];
+    let counter = [
+        "--steps",
+        "150",
+        "--commit-every",
+        "5",
+        "--step-ms",
+        "20",
+        "--busy-at-step",
+        "20",
+        "--busy-ms",
+        "4000",
+        "--busy-rank",
+        "3",
+    ];
+    let job = Job::start("loaded-1s", HOSTS2, &flags, &counter);
+    let (code, err, lines) = job.finish_within(Duration::from_secs(120));
+    drop(hogs);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 150), 4);
+    assert!(
+        !lines.iter().any(|l| l.v["event"] == "reset"),
+        "nothing was reset"
+    );
+    assert!(!err.contains("stopped answering"), "{err}");
+}
+
+/// Busy-looping shell processes, killed when dropped.
+struct CpuHogs(Vec<std::process::Child>);
+
+impl CpuHogs {
+    fn start(n: usize) -> Self {
+        Self(
+            (0..n)
+                .map(|_| {
+                    Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .spawn()
+                        .expect("a busy loop")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for CpuHogs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
 
 #[test]

@@ -468,6 +468,41 @@ fn an_elastic_torch_job_shrinks_gracefully_when_a_host_is_removed() {
     assert!(!err.contains("worker failed"), "{err}");
 }
 
+/// A Python worker computing for three seconds in pure Python, holding the GIL, still answers
+/// the driver's pings (a thread of hvd's own answers them, without the GIL): at
+/// `--heartbeat-timeout 1` nobody is declared frozen and nothing is reset.
+#[test]
+fn a_worker_holding_the_gil_for_three_heartbeat_timeouts_is_not_declared_frozen() {
+    let flags = ["-np", "4", "--min-np", "2", "--heartbeat-timeout", "1"];
+    let args = [
+        "--steps",
+        "60",
+        "--step-ms",
+        "10",
+        "--gil-busy-at-step",
+        "20",
+        "--gil-busy-ms",
+        "3000",
+    ];
+    let hosts = ["127.0.0.2:2", "127.0.0.3:2"];
+    let mut job = elastic_script(
+        "py-gil",
+        &hosts,
+        &flags,
+        "python/tests/elastic_train.py",
+        &args,
+    );
+    job.wait_for("the busy step", |l| l.v["event"] == "busy");
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 60), 4);
+    assert!(
+        !lines.iter().any(|l| l.v["event"] == "reset"),
+        "nothing was reset"
+    );
+    assert!(!err.contains("stopped answering"), "{err}");
+}
+
 /// The README's spot demo with the PyTorch counter: every check of its timeline passes.
 #[test]
 fn the_spot_demo_passes_with_the_pytorch_counter() {

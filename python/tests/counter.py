@@ -26,6 +26,10 @@ def parser(description):
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--commit-every", type=int, default=5)
     p.add_argument("--step-ms", type=float, default=10)
+    p.add_argument("--gil-busy-at-step", type=int, default=None,
+                   help="after this step, compute in pure Python for --gil-busy-ms, holding "
+                        "the GIL: a long step the driver must tell from a frozen process")
+    p.add_argument("--gil-busy-ms", type=float, default=0)
     return p
 
 
@@ -59,6 +63,12 @@ def commit_or_check(state, args, rank):
         emit({"event": "commit", "step": state.step, "rank": rank})
     else:
         state.check_host_updates()
+    if getattr(args, "gil_busy_at_step", None) == state.step:
+        emit({"event": "busy", "step": state.step, "rank": rank})
+        end = time.monotonic() + args.gil_busy_ms / 1000
+        spins = 0
+        while time.monotonic() < end:
+            spins += 1
     time.sleep(args.step_ms / 1000)
 
 

@@ -373,7 +373,8 @@ impl Driver {
     }
 
     /// Pings every registered worker whose connection is open.
-    fn ping(&self) {
+    fn ping(&mut self) {
+        self.heard.pinged(Instant::now().into_std());
         for id in self.heard.watched() {
             if let Some(r) = self.regs.get(&id) {
                 r.send(&DriverMsg::Ping);
@@ -809,7 +810,11 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             );
             tokio::select! {
                 settled = c.settled() => match settled {
-                    Ok(()) => tracing::info!("the state store answers again; carrying on"),
+                    Ok(()) => {
+                        tracing::info!("the state store answers again; carrying on");
+                        // This driver pinged nobody while it held still: the silence was its own.
+                        d.heard.restart(Instant::now().into_std());
+                    }
                     Err(why) => step_down(&why),
                 },
                 _ = sigint.recv() => interrupted = Some(Signal::SIGINT),

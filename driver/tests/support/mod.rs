@@ -453,6 +453,19 @@ impl Job {
             let _ = h.join();
         }
         let err = self.err.lock().unwrap().clone();
+        // HVD_TEST_LOG_DIR keeps every job's driver log, for counting across a whole suite
+        // (how often a worker was declared frozen, say).
+        if let Some(logs) = std::env::var_os("HVD_TEST_LOG_DIR") {
+            let name = self
+                .dir
+                .file_name()
+                .map_or_else(|| "job".into(), |n| n.to_string_lossy().into_owned());
+            let _ = std::fs::create_dir_all(&logs);
+            let _ = std::fs::write(
+                std::path::Path::new(&logs).join(format!("{name}.log")),
+                &err,
+            );
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
         (
             status.code().unwrap_or(-1),
