@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::task::JoinHandle;
 
-use crate::job::{Ended, Exit};
+use crate::launch::{Ended, Exit};
 
 /// How long connecting to an agent and authenticating may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);

@@ -6,6 +6,7 @@ mod elastic;
 mod horovod;
 mod hosts;
 mod job;
+mod launch;
 mod liveness;
 mod lsf;
 mod metrics;
@@ -21,7 +22,8 @@ use clap::Parser;
 use hvd_discovery::{HostSpec, parse_host_list, parse_hostfile};
 use hvd_rendezvous::{ENV_RENDEZVOUS_HOST, HostSlots, assign_static};
 
-use crate::job::{JobSpec, LaunchMode, Outcome};
+use crate::job::{JobSpec, Outcome};
+use crate::launch::LaunchMode;
 
 /// Exit code for a usage or configuration error (sysexits EX_USAGE).
 const EX_USAGE: u8 = 64;
@@ -78,7 +80,7 @@ fn main() -> ExitCode {
             args.nic().unwrap_or_default()
         );
     }
-    job::set_timestamped_output(args.prefix_output_with_timestamp);
+    launch::set_timestamped_output(args.prefix_output_with_timestamp);
     if args.discovery_script.is_some()
         || args.discovery.is_some()
         || args.min_np.is_some_and(|n| n > 0)

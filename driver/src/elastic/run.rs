@@ -26,7 +26,7 @@ use tokio::time::{Instant, MissedTickBehavior, sleep_until};
 use super::control::{Control, StoreSpec};
 use super::core::{Action, Config, Core, ExitInfo, Input, WorkerId};
 use crate::hosts;
-use crate::job::{Ended, Exit, Handle, LaunchMode, Launcher, new_secret, stop_workers};
+use crate::launch::{Ended, Exit, Handle, LaunchMode, Launcher, new_secret, stop_workers};
 use crate::liveness::{self, Heartbeats};
 use crate::metrics::{Metrics, Observer};
 use crate::rendezvous::{self, Registration, Wire};
@@ -183,14 +183,14 @@ impl Driver {
             }
             if let Some(dir) = self.launcher.spool.clone() {
                 for name in ["stdout", "stderr"] {
-                    let path = crate::job::spool_file(&dir, id, name);
+                    let path = crate::launch::spool_file(&dir, id, name);
                     let log = self
                         .spec
                         .output_dir
                         .as_ref()
                         .map(|d| d.join(format!("worker.{id}")).join(name));
                     if path.exists() {
-                        self.relays.push(crate::job::tail(
+                        self.relays.push(crate::launch::tail(
                             id.to_string(),
                             name,
                             path,
@@ -228,7 +228,7 @@ impl Driver {
             .output_dir
             .as_ref()
             .map(|d| d.join(format!("worker.{id}")));
-        self.relays.extend(crate::job::relay_remote(
+        self.relays.extend(crate::launch::relay_remote(
             &id.to_string(),
             out,
             err,
