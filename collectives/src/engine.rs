@@ -37,6 +37,7 @@ use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp, by_dtype};
 use crate::error::{CommError, Result};
 use crate::fusion::{self, Batch, FusionBuffer};
+use crate::lateness::Lateness;
 use crate::negotiation::{self, Announce, Cache, Sig};
 use crate::stall::StallCheck;
 use crate::timeline::Timeline;
@@ -499,6 +500,21 @@ pub struct Engine {
     status: Arc<Mutex<EngineStatus>>,
 }
 
+/// Reads an engine's status from another thread ([`Engine::status_reader`]).
+#[derive(Debug, Clone)]
+pub struct StatusReader(Arc<Mutex<EngineStatus>>);
+
+impl StatusReader {
+    /// How much each rank holds the others up, as [`EngineStatus::lateness`].
+    pub fn lateness(&self) -> Vec<f64> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .lateness
+            .clone()
+    }
+}
+
 /// What an engine is doing, as its owner may ask ([`Engine::status`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineStatus {
@@ -508,6 +524,10 @@ pub struct EngineStatus {
     pub autotuning: bool,
     /// Stall warnings so far: one per stalled op each warning period.
     pub stall_warnings: u64,
+    /// By rank, the fraction of the time (0 to 1) the median rank waits for it at the
+    /// collectives, over about the last [`crate::LATENESS_WINDOW`] (the same on every rank): a
+    /// rank with fraction `f` computes `1 / (1 - f)` times as long as the median rank.
+    pub lateness: Vec<f64>,
     /// What autotune settled on, once it has (on every rank): kept by the process for the
     /// engines of later rounds ([`crate::AutotuneConfig::resume`]).
     pub tuned: Option<Tuned>,
@@ -567,6 +587,12 @@ impl Engine {
             thread: Some(thread),
             status,
         })
+    }
+
+    /// A reader of this engine's status for another thread (a report to the driver), valid
+    /// while the engine runs and after.
+    pub fn status_reader(&self) -> StatusReader {
+        StatusReader(Arc::clone(&self.status))
     }
 
     /// The knobs in force, whether autotune is still at work, and the stall warnings so far.
@@ -665,6 +691,9 @@ struct Worker {
     started: Instant,
     /// Ops pending on some ranks only, and for how long.
     stalls: StallCheck,
+    lateness: Lateness,
+    /// How long this rank's last negotiation waited for the others, in microseconds.
+    waited_us: u32,
     stopping: bool,
     fusion: FusionBuffer,
     cache: Cache,
@@ -714,6 +743,7 @@ impl Worker {
             setting,
             autotuning: cfg.autotune.is_some() && comm.size() > 1,
             stall_warnings: 0,
+            lateness: Vec::new(),
             tuned: None,
         };
         Self {
@@ -733,6 +763,8 @@ impl Worker {
             pending: Vec::new(),
             started: Instant::now(),
             stalls: StallCheck::default(),
+            lateness: Lateness::default(),
+            waited_us: 0,
             stopping: false,
             fusion: FusionBuffer::default(),
             agreed: Instant::now(),
@@ -861,6 +893,7 @@ impl Worker {
             stopping: self.stopping,
             joined: self.join.is_some(),
             clock_ms: self.started.elapsed().as_millis() as u64,
+            waited_us: self.waited_us,
             ops: self
                 .pending
                 .iter()
@@ -870,6 +903,7 @@ impl Worker {
         };
         let t_cycle = Instant::now();
         let gathered = self.gather(&mine)?;
+        self.waited_us = u32::try_from(t_cycle.elapsed().as_micros()).unwrap_or(u32::MAX);
         if let Some(t) = self.timeline().filter(|t| t.marks_cycles()) {
             t.instant("engine", "CYCLE", t_cycle, "");
         }
@@ -911,6 +945,14 @@ impl Worker {
             self.cache.record(sig);
         }
         let ready: Vec<String> = agreement.ready.into_iter().map(|s| s.name).collect();
+        let waited: Vec<u32> = gathered.iter().map(|a| a.waited_us).collect();
+        self.lateness.cycle(&lists, &waited, &needed, &ready, clock);
+        if !ready.is_empty() {
+            self.status
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .lateness = self.lateness.fractions();
+        }
         // A joined rank takes part in the others' allreduces with zeros of the same shape.
         for sig in agreement.zeros {
             if let Some(r) = zero_request(&sig) {

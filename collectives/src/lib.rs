@@ -49,6 +49,7 @@ mod engine;
 mod error;
 mod fusion;
 mod hier_gather;
+mod lateness;
 mod lazy;
 mod link;
 mod mailbox;
@@ -68,9 +69,12 @@ pub use buffer::HugeBuffer;
 pub use comm::Communicator;
 pub use config::{CommConfig, MAX_STREAMS};
 pub use dtype::{DType, Element, ReduceOp};
-pub use engine::{Buffer, Compression, Engine, EngineConfig, EngineStatus, Handle, Submitter};
+pub use engine::{
+    Buffer, Compression, Engine, EngineConfig, EngineStatus, Handle, StatusReader, Submitter,
+};
 pub use error::{CommError, Result};
 pub use half::{bf16, f16};
+pub use lateness::WINDOW as LATENESS_WINDOW;
 pub use link::AbortHandle;
 pub use pages::{malloc_huge_pages, thp_fault_fallbacks};
 pub use timeline::Timeline;

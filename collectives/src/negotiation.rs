@@ -71,6 +71,9 @@ pub(crate) struct Announce {
     pub(crate) joined: bool,
     /// Rank 0's clock (milliseconds since its engine started); the stall clock of all ranks.
     pub(crate) clock_ms: u64,
+    /// How long this rank's previous negotiation waited for the others, in microseconds: a
+    /// rank the others wait for waits least ([`crate::lateness`]).
+    pub(crate) waited_us: u32,
     /// Every pending op, in submission order.
     pub(crate) ops: Vec<Entry>,
     /// Rank 0 only: the knobs every rank applies at this cycle, and whether autotune goes on
@@ -90,6 +93,7 @@ impl Announce {
                 | (u8::from(tuning) << 3),
         );
         b.extend_from_slice(&self.clock_ms.to_le_bytes());
+        b.extend_from_slice(&self.waited_us.to_le_bytes());
         if let Some((s, _)) = self.setting {
             b.extend_from_slice(&(s.fusion_bytes as u64).to_le_bytes());
             b.extend_from_slice(&(s.cycle.as_nanos() as u64).to_le_bytes());
@@ -135,6 +139,7 @@ impl Announce {
         let flags = take(1)?[0];
         let (stopping, joined) = (flags & 1 != 0, flags & 2 != 0);
         let clock_ms = u64_at(take(8)?)?;
+        let waited_us = u32_at(take(4)?)?;
         let setting = if flags & 4 != 0 {
             let fusion_bytes = usize::try_from(u64_at(take(8)?)?).ok()?;
             let cycle = Duration::from_nanos(u64_at(take(8)?)?);
@@ -178,6 +183,7 @@ impl Announce {
                 stopping,
                 joined,
                 clock_ms,
+                waited_us,
                 ops,
                 setting,
             },
@@ -357,6 +363,7 @@ mod tests {
             stopping: true,
             joined: true,
             clock_ms: 42,
+            waited_us: 1_500,
             ops: vec![
                 Entry::Full(sig("grad/0", 1000)),
                 Entry::Cached(7),
@@ -395,8 +402,9 @@ mod tests {
             ..Announce::default()
         };
         let b = a.encode();
-        // flags 1, clock 8, count 4, entry tag 1, name length 4, name 1: then dtype, kind.
-        let dtype_at = 1 + 8 + 4 + 1 + 4 + 1;
+        // flags 1, clock 8, wait 4, count 4, entry tag 1, name length 4, name 1: then dtype,
+        // kind.
+        let dtype_at = 1 + 8 + 4 + 4 + 1 + 4 + 1;
         for (at, bad) in [(dtype_at, 0xEE), (dtype_at + 1, 0), (dtype_at + 1, 0xEE)] {
             let mut wrong = b.clone();
             wrong[at] = bad;
@@ -557,17 +565,20 @@ mod tests {
         (
             any::<bool>(),
             any::<bool>(),
-            any::<u64>(),
+            (any::<u64>(), any::<u32>()),
             proptest::collection::vec(any_entry(), 0..12),
             any_setting(),
         )
-            .prop_map(|(stopping, joined, clock_ms, ops, setting)| Announce {
-                stopping,
-                joined,
-                clock_ms,
-                ops,
-                setting,
-            })
+            .prop_map(
+                |(stopping, joined, (clock_ms, waited_us), ops, setting)| Announce {
+                    stopping,
+                    joined,
+                    clock_ms,
+                    waited_us,
+                    ops,
+                    setting,
+                },
+            )
     }
 
     proptest! {

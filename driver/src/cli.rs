@@ -214,6 +214,18 @@ pub struct Args {
     #[arg(long = "preemption-watch", value_name = "CLOUD", value_parser = clap::value_parser!(hvd_rendezvous::Cloud))]
     pub preemption_watch: Option<hvd_rendezvous::Cloud>,
 
+    /// Elastic: a rank whose step takes this many times the median rank's, for 20 steps and
+    /// at least 5 s, is a straggler (default 1.3; measured by the background engine, which
+    /// the Python frameworks run).
+    #[arg(long = "straggler-factor", value_name = "F")]
+    pub straggler_factor: Option<f64>,
+
+    /// Elastic: `warn` (the default) reports a straggler; `evict` also removes its host
+    /// gracefully and cools it down with the blacklist's cooldown, one host per window and
+    /// never below --min-np (env HVD_STRAGGLER_POLICY).
+    #[arg(long = "straggler-policy", value_name = "POLICY", value_parser = ["warn", "evict"])]
+    pub straggler_policy: Option<String>,
+
     /// Elastic: more resets than this fail the job (default unlimited).
     #[arg(long = "reset-limit", value_name = "K")]
     pub reset_limit: Option<usize>,

@@ -105,6 +105,138 @@ impl Heartbeats {
     }
 }
 
+/// What makes a rank a straggler (`--straggler-factor`, `--straggler-policy`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StragglerPolicy {
+    /// A rank whose step takes this many times the median rank's is slow.
+    pub factor: f64,
+    /// It must stay slow for this many steps…
+    pub steps: u64,
+    /// …and this long, to be reported.
+    pub sustained: Duration,
+    /// Whether its host is removed (gracefully, and cooled down by the blacklist), not only
+    /// reported.
+    pub evict: bool,
+}
+
+impl Default for StragglerPolicy {
+    fn default() -> Self {
+        Self {
+            factor: 1.3,
+            steps: 20,
+            sustained: Duration::from_secs(5),
+            evict: false,
+        }
+    }
+}
+
+/// A rank found slow: how much it holds the others up, and how many times the median rank's
+/// step its own takes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Straggler {
+    /// Its rank in the current round.
+    pub rank: usize,
+    /// The fraction of the time the median rank waits for it.
+    pub held_up: f64,
+    /// Its step time over the median rank's: `1 / (1 - held_up)`.
+    pub factor: f64,
+}
+
+/// Which ranks are stragglers, from rank 0's reports: by rank, the thousandths of the time the
+/// median rank waits for it. Everything starts over when the round changes (a new world has
+/// new ranks, and joins and resets are not slowness).
+#[derive(Debug, Clone)]
+pub struct Stragglers {
+    policy: StragglerPolicy,
+    generation: u64,
+    /// The round's first report: when, and at which step.
+    start: Option<(Instant, u64)>,
+    /// The round's last report, for its step period.
+    last: Option<(Instant, u64)>,
+    /// Per rank: since when (and which step) it has been slow, if it is.
+    slow_since: Vec<Option<(Instant, u64)>>,
+    /// Ranks reported in this round.
+    reported: Vec<bool>,
+}
+
+/// A rank's step over the median rank's, when the median waits for it a fraction `held_up` of
+/// the time.
+pub fn step_factor(held_up: f64) -> f64 {
+    if held_up < 1.0 {
+        1.0 / (1.0 - held_up)
+    } else {
+        f64::INFINITY
+    }
+}
+
+impl Stragglers {
+    /// Nothing seen yet.
+    pub fn new(policy: StragglerPolicy) -> Self {
+        Self {
+            policy,
+            generation: 0,
+            start: None,
+            last: None,
+            slow_since: Vec::new(),
+            reported: Vec::new(),
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> StragglerPolicy {
+        self.policy
+    }
+
+    /// The round's step period so far, once it has stepped.
+    pub fn period(&self) -> Option<Duration> {
+        let ((t0, s0), (t1, s1)) = (self.start?, self.last?);
+        let steps = u32::try_from(s1.checked_sub(s0)?).ok().filter(|&d| d > 0)?;
+        Some(t1.checked_duration_since(t0)? / steps)
+    }
+
+    /// One report at `now` of round `generation`: `steps` so far, and by rank the thousandths
+    /// of the time the median rank waits for it. Returns the ranks that have just been slow
+    /// long enough (for the policy's steps and time), each once a round.
+    pub fn observe(
+        &mut self,
+        now: Instant,
+        generation: u64,
+        steps: u64,
+        held_up_permille: &[u32],
+    ) -> Vec<Straggler> {
+        if generation != self.generation || self.slow_since.len() != held_up_permille.len() {
+            self.generation = generation;
+            self.start = Some((now, steps));
+            self.last = Some((now, steps));
+            self.slow_since = vec![None; held_up_permille.len()];
+            self.reported = vec![false; held_up_permille.len()];
+            return Vec::new();
+        }
+        self.last = Some((now, steps));
+        let mut out = Vec::new();
+        for (rank, &pm) in held_up_permille.iter().enumerate() {
+            let held_up = f64::from(pm.min(1000)) / 1000.0;
+            let factor = step_factor(held_up);
+            if factor < self.policy.factor {
+                self.slow_since[rank] = None;
+                continue;
+            }
+            let (since, at) = *self.slow_since[rank].get_or_insert((now, steps));
+            let long_enough = now.saturating_duration_since(since) >= self.policy.sustained
+                && steps.saturating_sub(at) >= self.policy.steps;
+            if long_enough && !self.reported[rank] {
+                self.reported[rank] = true;
+                out.push(Straggler {
+                    rank,
+                    held_up,
+                    factor,
+                });
+            }
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +301,57 @@ mod tests {
         h.watch(2, t0);
         h.restart(t0 + ms(5000));
         assert_eq!(h.next_silence(), Some(t0 + ms(6000)));
+    }
+
+    /// Reports every 500 ms of a round stepping every 100 ms, the median rank waiting for rank
+    /// 2 `permille` thousandths of the time.
+    fn run(
+        s: &mut Stragglers,
+        t0: Instant,
+        g: u64,
+        from: u64,
+        reports: u64,
+        permille: u32,
+    ) -> Vec<Straggler> {
+        let mut found = Vec::new();
+        for k in 0..reports {
+            let now = t0 + ms(500 * (from + k));
+            found.extend(s.observe(now, g, 5 * (from + k), &[0, 0, permille, 0]));
+        }
+        found
+    }
+
+    #[test]
+    fn a_rank_slow_for_long_enough_is_reported_once_a_round() {
+        let t0 = Instant::now();
+        let mut s = Stragglers::new(StragglerPolicy::default());
+        // Waited for 40% of the time: its step takes 1 / 0.6 = 1.67 times the median's.
+        let found = run(&mut s, t0, 1, 0, 10, 400);
+        assert!(found.is_empty(), "not yet 5 s: {found:?}");
+        assert_eq!(s.period(), Some(ms(100)));
+        let found = run(&mut s, t0, 1, 10, 10, 400);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].rank, 2);
+        assert!((found[0].factor - 1.0 / 0.6).abs() < 0.01, "{found:?}");
+        assert!(run(&mut s, t0, 1, 20, 10, 400).is_empty(), "once a round");
+    }
+
+    #[test]
+    fn a_slight_or_passing_slowness_and_a_new_round_report_nobody() {
+        let t0 = Instant::now();
+        let mut s = Stragglers::new(StragglerPolicy::default());
+        // Waited for 20% of the time: 1.25 times, below 1.3.
+        assert!(run(&mut s, t0, 1, 0, 30, 200).is_empty());
+        // Slow for 4 s, then well, then slow again: the streak starts over.
+        let mut s = Stragglers::new(StragglerPolicy::default());
+        assert!(run(&mut s, t0, 1, 0, 8, 400).is_empty());
+        assert!(run(&mut s, t0, 1, 8, 1, 0).is_empty());
+        assert!(run(&mut s, t0, 1, 9, 9, 400).is_empty());
+        // A new round starts over too.
+        assert!(run(&mut s, t0, 2, 18, 9, 400).is_empty());
+        assert_eq!(run(&mut s, t0, 2, 27, 3, 400).len(), 1);
+        assert_eq!(step_factor(0.5), 2.0);
+        assert!(step_factor(1.0).is_infinite());
     }
 
     #[test]

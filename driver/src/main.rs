@@ -31,6 +31,8 @@ const EX_USAGE: u8 = 64;
 /// Seconds a worker may be silent before it is declared frozen, when `--heartbeat-timeout`
 /// is not given.
 const ENV_HEARTBEAT_TIMEOUT: &str = "HVD_HEARTBEAT_TIMEOUT";
+/// `--straggler-policy`'s variable.
+const ENV_STRAGGLER_POLICY: &str = "HVD_STRAGGLER_POLICY";
 
 fn main() -> ExitCode {
     let mut args = match cli::Args::try_parse_from(cli::normalize(std::env::args())) {
@@ -190,6 +192,29 @@ fn heartbeat_timeout(args: &cli::Args) -> anyhow::Result<Duration> {
     )
 }
 
+/// `--straggler-factor`, and `--straggler-policy` (else `HVD_STRAGGLER_POLICY`).
+fn straggler_policy(args: &cli::Args) -> anyhow::Result<liveness::StragglerPolicy> {
+    let mut p = liveness::StragglerPolicy::default();
+    if let Some(f) = args.straggler_factor {
+        if !(f.is_finite() && f > 1.0) {
+            bail!(
+                "--straggler-factor must be a number above 1 (a step that many times the median rank's), not {f}"
+            );
+        }
+        p.factor = f;
+    }
+    let policy = match &args.straggler_policy {
+        Some(p) => p.clone(),
+        None => std::env::var(ENV_STRAGGLER_POLICY).unwrap_or_default(),
+    };
+    p.evict = match policy.trim() {
+        "" | "warn" => false,
+        "evict" => true,
+        other => bail!("{ENV_STRAGGLER_POLICY} must be warn or evict, not '{other}'"),
+    };
+    Ok(p)
+}
+
 /// The heartbeat timeout's default, in seconds: three times the 1 s at which the whole driver
 /// suite, the chaos run and a machine with every core busy declared no live worker frozen
 /// (docs/elastic.md, "Frozen workers").
@@ -284,6 +309,7 @@ fn plan_elastic(args: &cli::Args) -> anyhow::Result<elastic::run::ElasticSpec> {
         launch: launch_mode(args, std::env::var(hvd_agent::ENV_AGENT_SECRET).ok())?,
         status_port: args.status_port,
         heartbeat_timeout: heartbeat_timeout(args)?,
+        stragglers: straggler_policy(args)?,
         rendezvous_port: args.rendezvous_port,
         store: store_spec(args, |k| std::env::var(k))?,
     })

@@ -52,10 +52,17 @@ struct NoticeLabel {
     source: &'static str,
 }
 
+/// A rank of the current round, and its host.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RankLabel {
+    rank: String,
+    host: String,
+}
+
 type Rate = Gauge<f64, std::sync::atomic::AtomicU64>;
 
 /// Rank 0's counts since its process started, as it reports them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Progress {
     /// Training steps (commits of the elastic state).
     pub steps: u64,
@@ -63,6 +70,9 @@ pub struct Progress {
     pub allreduces: u64,
     /// Bytes allreduced.
     pub allreduce_bytes: u64,
+    /// By rank, the thousandths of the time the median rank waits for it at the collectives
+    /// (empty where the engine does not run).
+    pub lateness_permille: Vec<u32>,
 }
 
 /// The driver's metrics. Clones share the same values.
@@ -85,6 +95,7 @@ pub struct Metrics {
     failovers: Counter,
     refused: Family<RefusedLabel, Counter>,
     notices: Family<NoticeLabel, Counter>,
+    lateness: Family<RankLabel, Rate>,
     steps: Rate,
     allreduces: Rate,
     allreduce_bytes: Rate,
@@ -120,6 +131,14 @@ impl Metrics {
                 source: source.name(),
             }));
         }
+        let lateness = Family::<RankLabel, Rate>::default();
+        r.register_with_unit(
+            "hvd_rank_lateness",
+            "How long the median rank of the current round waits for each rank at the \
+             collectives, per training step, over about the last 5 s (from rank 0's engine)",
+            Unit::Seconds,
+            lateness.clone(),
+        );
         let gauge = |r: &mut Registry, name: &str, help: &str| {
             let g = Gauge::default();
             r.register(name, help, g.clone());
@@ -217,6 +236,7 @@ impl Metrics {
             phase,
             refused,
             notices,
+            lateness,
             registry: Arc::new(r),
         };
         m.failovers.inc_by(failovers);
@@ -228,6 +248,20 @@ impl Metrics {
         self.refused
             .get_or_create(&RefusedLabel { service, reason })
             .inc();
+    }
+
+    /// Each rank's lateness in seconds a step, by rank with its host; the ranks of an older
+    /// round are dropped.
+    pub fn lateness(&self, by_rank: &[(f64, &str)]) {
+        self.lateness.clear();
+        for (rank, (secs, host)) in by_rank.iter().enumerate() {
+            self.lateness
+                .get_or_create(&RankLabel {
+                    rank: rank.to_string(),
+                    host: (*host).to_string(),
+                })
+                .set(*secs);
+        }
     }
 
     /// The registry, for the endpoint.
@@ -283,6 +317,11 @@ impl Observer {
         };
         o.snapshot(now, start);
         o
+    }
+
+    /// The metrics it writes to.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     /// An input about to be fed to `core` at `now`: a live worker's failure starts a
@@ -366,7 +405,7 @@ impl Observer {
     /// A report from another worker (a new rank 0) or with smaller counts (a new process)
     /// starts over, the rates at 0 until its next report.
     pub fn progress(&mut self, now: Duration, worker: WorkerId, p: Progress) {
-        if let Some((w, then, last)) = self.progress.replace((worker, now, p)) {
+        if let Some((w, then, last)) = self.progress.replace((worker, now, p.clone())) {
             if w != worker {
                 self.zero_rates();
             }
@@ -533,6 +572,7 @@ mod tests {
         let m = Metrics::new(0);
         let mut o = Observer::new(m.clone(), Duration::ZERO, &snap(JobPhase::Running, 1, 0));
         let p = |steps, allreduces, allreduce_bytes| Progress {
+            lateness_permille: vec![],
             steps,
             allreduces,
             allreduce_bytes,

@@ -403,6 +403,7 @@ async fn handle(
                 steps,
                 allreduces,
                 allreduce_bytes,
+                lateness_permille,
                 ..
             } => {
                 if let Some(p) = &progress {
@@ -410,6 +411,7 @@ async fn handle(
                         steps,
                         allreduces,
                         allreduce_bytes,
+                        lateness_permille,
                     };
                     let _ = p.try_send((worker, report));
                 }

@@ -503,6 +503,68 @@ fn a_worker_holding_the_gil_for_three_heartbeat_timeouts_is_not_declared_frozen(
     assert!(!err.contains("stopped answering"), "{err}");
 }
 
+/// A worker slowed for real (stopped 60 ms of every 100 ms, as a throttled CPU would be) is
+/// found by the engine's lateness measure, and under `--straggler-policy evict` its host leaves
+/// the world gracefully: no step lost or applied twice, nothing rolled back, nothing failed.
+#[test]
+fn a_worker_slowed_by_a_duty_cycle_is_found_and_its_host_evicted_without_losing_a_step() {
+    let hosts = ["127.0.0.2:2", "127.0.0.3:2"];
+    let flags = [
+        "-np",
+        "4",
+        "--min-np",
+        "2",
+        "--straggler-policy",
+        "evict",
+        "--blacklist-cooldown-range",
+        "600",
+        "600",
+    ];
+    let args = ["--steps", "400", "--commit-every", "5", "--step-ms", "20"];
+    let mut job = elastic_script(
+        "py-straggler",
+        &hosts,
+        &flags,
+        "python/tests/elastic_train.py",
+        &args,
+    );
+    job.wait_step(20, 4);
+    let victim = job.pid_of_rank(3);
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = std::sync::Arc::clone(&done);
+    let duty = std::thread::spawn(move || {
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) && support::alive(victim) {
+            signal(victim, Signal::SIGSTOP);
+            std::thread::sleep(std::time::Duration::from_millis(60));
+            signal(victim, Signal::SIGCONT);
+            std::thread::sleep(std::time::Duration::from_millis(40));
+        }
+    });
+    let t = std::time::Instant::now();
+    let found = job.wait_stderr("straggler: this rank's step takes");
+    let found_after = t.elapsed();
+    job.wait_step(1, 2);
+    let out_after = t.elapsed();
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let _ = duty.join();
+    if support::alive(victim) {
+        signal(victim, Signal::SIGCONT);
+    }
+    eprintln!(
+        "duty cycle → straggler reported after {found_after:?}, training at size 2 after \
+         {out_after:?}: {found}"
+    );
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 400), 2);
+    assert_eq!(steps_rerun(&lines), 0, "an eviction rolls nothing back");
+    assert!(found.contains("host=127.0.0.3"), "{found}");
+    assert!(
+        err.contains("straggler's host evicted") && !err.contains("worker failed"),
+        "{err}"
+    );
+}
+
 /// The README's spot demo with the PyTorch counter: every check of its timeline passes.
 #[test]
 fn the_spot_demo_passes_with_the_pytorch_counter() {

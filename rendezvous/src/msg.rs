@@ -73,6 +73,10 @@ pub enum WorkerMsg {
         allreduces: u64,
         /// Bytes of the buffers allreduced.
         allreduce_bytes: u64,
+        /// By rank, the thousandths of the time the median rank waits for it at the
+        /// collectives (empty without the background engine, which measures it).
+        #[serde(default)]
+        lateness_permille: Vec<u32>,
     },
     /// The worker's host is going away (`source` says who said so): the driver takes the host
     /// out of the job gracefully, as if discovery had dropped it, without blacklisting it. The
@@ -282,13 +286,21 @@ mod tests {
             steps: 12,
             allreduces: 40,
             allreduce_bytes: 1 << 20,
+            lateness_permille: vec![0, 350],
         };
         let line = encode_line(&progress).unwrap();
         assert_eq!(
             line,
-            b"{\"type\":\"progress\",\"worker\":0,\"steps\":12,\"allreduces\":40,\"allreduce_bytes\":1048576}\n"
+            b"{\"type\":\"progress\",\"worker\":0,\"steps\":12,\"allreduces\":40,\"allreduce_bytes\":1048576,\"lateness_permille\":[0,350]}\n"
         );
         assert_eq!(decode_line::<WorkerMsg>(&line).unwrap(), progress);
+        // A report without the engine's lateness reads as none.
+        let bare =
+            br#"{"type":"progress","worker":0,"steps":1,"allreduces":0,"allreduce_bytes":0}"#;
+        assert!(matches!(
+            decode_line::<WorkerMsg>(bare),
+            Ok(WorkerMsg::Progress { lateness_permille, .. }) if lateness_permille.is_empty()
+        ));
         // The secret never travels in a message.
         assert!(decode_line::<WorkerMsg>(br#"{"type":"pong","secret":"s","worker":7}"#).is_err());
     }

@@ -50,6 +50,14 @@ pub(crate) struct Progress {
 /// The progress of this process.
 static PROGRESS: Progress = Progress::new();
 
+/// The running engine's status, while there is one: its lateness by rank goes with the report.
+static ENGINE_STATUS: Mutex<Option<hvd_collectives::StatusReader>> = Mutex::new(None);
+
+/// The engine whose lateness by rank the progress reports carry from now on (`None`: none).
+pub(crate) fn report_engine(status: Option<hvd_collectives::StatusReader>) {
+    *ENGINE_STATUS.lock().unwrap_or_else(PoisonError::into_inner) = status;
+}
+
 impl Progress {
     const fn new() -> Self {
         Self {
@@ -59,13 +67,25 @@ impl Progress {
         }
     }
 
-    /// The report of `worker`'s counts so far.
+    /// The report of `worker`'s counts so far, with the running engine's lateness by rank.
     fn report(&self, worker: u64) -> WorkerMsg {
+        let lateness_permille = ENGINE_STATUS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(|s| {
+                s.lateness()
+                    .into_iter()
+                    .map(|f| (f * 1000.0).round().clamp(0.0, 1000.0) as u32)
+                    .collect()
+            })
+            .unwrap_or_default();
         WorkerMsg::Progress {
             worker,
             steps: self.steps.load(Ordering::Relaxed),
             allreduces: self.allreduces.load(Ordering::Relaxed),
             allreduce_bytes: self.allreduce_bytes.load(Ordering::Relaxed),
+            lateness_permille,
         }
     }
 }
@@ -710,6 +730,7 @@ mod tests {
                 steps,
                 allreduces,
                 allreduce_bytes,
+                lateness_permille,
             },
         ) = (before, PROGRESS.report(3))
         else {
@@ -718,5 +739,9 @@ mod tests {
         // Other tests of this process may count too: at least these.
         assert_eq!(worker, 3);
         assert!(steps > s0 && allreduces >= a0 + 2 && allreduce_bytes >= b0 + 4104);
+        assert!(
+            lateness_permille.is_empty(),
+            "no engine runs here: {lateness_permille:?}"
+        );
     }
 }

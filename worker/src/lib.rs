@@ -813,6 +813,7 @@ pub fn start_engine(cfg: EngineConfig) -> Result<Engine> {
         cfg.timeline = Some(c.timeline.clone());
     }
     let engine = Engine::start(comm, cfg)?;
+    client::report_engine(Some(engine.status_reader()));
     c.submitter = Some(engine.submitter());
     c.sync_seq = 0;
     Ok(engine)
@@ -824,6 +825,7 @@ pub fn start_engine(cfg: EngineConfig) -> Result<Engine> {
 /// # Errors
 /// [`Error::NotInitialized`].
 pub fn stop_engine(engine: Engine) -> Result<()> {
+    client::report_engine(None);
     let (comm, status) = engine.stop_with_status();
     if let Some(t) = status.tuned {
         let mut tuned = TUNED.lock().unwrap_or_else(PoisonError::into_inner);

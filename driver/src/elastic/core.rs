@@ -62,7 +62,7 @@ pub struct ExitInfo {
 }
 
 /// What happened, as the I/O around the core saw it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Input {
     /// A discovery poll succeeded with this host set.
     Discovered(Vec<HostSpec>),
@@ -112,6 +112,16 @@ pub enum Input {
         source: NoticeSource,
         /// How long the host has left, as the notice says.
         within: Option<Duration>,
+    },
+    /// A rank of the current round on `host` has been a straggler (`factor` times the median
+    /// rank's step) for the policy's window, and `--straggler-policy evict` asks for its host
+    /// to go: it is drained gracefully and blacklisted with the cooldown (so it may come back),
+    /// unless that would leave fewer than `--min-np` slots.
+    Straggler {
+        /// The host.
+        host: String,
+        /// How many times the median rank's step the rank's takes.
+        factor: f64,
     },
     /// A worker process ended.
     Exited {
@@ -420,6 +430,14 @@ impl Core {
         self.noticed.contains_key(host)
     }
 
+    /// The hosts of the current round's members, by rank.
+    pub fn member_hosts(&self) -> Vec<&str> {
+        self.current
+            .iter()
+            .map(|m| self.workers.get(m).map_or("?", |w| w.host.as_str()))
+            .collect()
+    }
+
     /// Live workers of the job.
     pub fn live_workers(&self) -> Vec<WorkerId> {
         self.workers
@@ -539,6 +557,7 @@ impl Core {
                 source,
                 within,
             } => self.notice(now, host, source, within, &mut out),
+            Input::Straggler { host, factor } => self.straggler(now, &host, factor),
             Input::Exited { worker, exit } => self.exited(now, worker, &exit, &mut out),
             Input::Tick => {}
         }
@@ -615,6 +634,37 @@ impl Core {
                 until: now + deadline + NOTICE_MARGIN,
             },
         );
+    }
+
+    /// Evicts a straggler's host: blacklisted with the cooldown, its workers left to leave
+    /// through the next round (nothing is stopped or rolled back), unless the slots left would
+    /// be fewer than `--min-np`.
+    fn straggler(&mut self, now: Duration, host: &str, factor: f64) {
+        let factor = (factor * 100.0).round() / 100.0;
+        if !self.order.iter().any(|h| h == host) || self.blacklist.is_blacklisted(host, now) {
+            return;
+        }
+        let left = self.slots_available()
+            - if self.has_slots(host) {
+                self.discovered.get(host).copied().unwrap_or(0)
+            } else {
+                0
+            };
+        if left < self.cfg.min_np.max(1) {
+            tracing::warn!(host = %host, factor, slots_left = left, min_np = self.cfg.min_np, "straggler kept: evicting its host would leave fewer than --min-np slots");
+            return;
+        }
+        let jitter = self.jitter();
+        if let Some(b) = self.blacklist.blacklist(host, now, jitter) {
+            self.cooldown_ends.insert(host.to_string(), b.until);
+            tracing::warn!(
+                host = %host,
+                factor,
+                cooldown_s = b.until.map(|u| (u.saturating_sub(now).as_secs_f64() * 10.0).round() / 10.0),
+                "straggler's host evicted: it leaves gracefully and is cooled down"
+            );
+        }
+        self.order.retain(|h| h != host);
     }
 
     /// Forgets the notices whose deadline has passed: a host discovery still lists may come
@@ -2702,6 +2752,42 @@ mod tests {
         assert_eq!(removed(&a), vec![old[0]]);
         assert_eq!(worlds(&a), vec![(new[0], 0, 2), (new[1], 1, 2)]);
         assert!(core.snapshot(secs(6)).blacklisted.is_empty());
+    }
+
+    #[test]
+    fn a_stragglers_host_leaves_gracefully_is_cooled_down_and_never_below_min_np() {
+        let mut c = cfg(2, 2, 4);
+        c.cooldown = Some(CooldownRange::new(secs(10), secs(100)).expect("a range"));
+        let (mut core, ids) = running(c, &[("a", 1), ("b", 1), ("c", 1)]);
+        let straggler = |core: &mut Core, at: u64, host: &str| {
+            core.handle(
+                secs(at),
+                Input::Straggler {
+                    host: host.into(),
+                    factor: 1.6,
+                },
+            )
+        };
+        let a = straggler(&mut core, 3, "c");
+        assert_eq!(
+            notified(&a),
+            Some((ids.clone(), vec![], vec!["c".into()])),
+            "{a:?}"
+        );
+        assert!(
+            a.iter()
+                .all(|x| !matches!(x, Action::Stop { .. } | Action::Abort { .. })),
+            "nothing is stopped: {a:?}"
+        );
+        let mut a = joined(&mut core, 4, ids[0]);
+        a.extend(joined(&mut core, 4, ids[1]));
+        assert_eq!(removed(&a), vec![ids[2]]);
+        assert_eq!(worlds(&a), vec![(ids[0], 0, 2), (ids[1], 1, 2)]);
+        let snap = core.snapshot(secs(4));
+        assert_eq!(snap.blacklisted.len(), 1, "cooled down: {snap:?}");
+        // Two slots left, --min-np 2: b stays, however slow.
+        assert!(straggler(&mut core, 5, "b").is_empty());
+        assert_eq!(core.snapshot(secs(5)).blacklisted.len(), 1);
     }
 
     #[test]

@@ -27,7 +27,7 @@ use super::control::{Control, StoreSpec};
 use super::core::{Action, Config, Core, ExitInfo, Input, WorkerId};
 use crate::hosts;
 use crate::launch::{Ended, Exit, Handle, LaunchMode, Launcher, new_secret, stop_workers};
-use crate::liveness::{self, Heartbeats};
+use crate::liveness::{self, Heartbeats, StragglerPolicy, Stragglers};
 use crate::metrics::{Metrics, Observer};
 use crate::rendezvous::{self, Registration, Wire};
 use crate::status::{self, Published};
@@ -76,6 +76,8 @@ pub struct ElasticSpec {
     pub status_port: Option<u16>,
     /// A registered worker silent for longer is declared failed (`--heartbeat-timeout`).
     pub heartbeat_timeout: Duration,
+    /// What makes a rank a straggler, and whether its host is evicted.
+    pub stragglers: StragglerPolicy,
     /// The rendezvous port (`--rendezvous-port`; any free one without).
     pub rendezvous_port: Option<u16>,
     /// Where the job's state is kept so that another driver can take over (`--state-store`).
@@ -147,6 +149,10 @@ struct Driver {
     adopted: HashMap<WorkerId, Arc<AtomicBool>>,
     /// Turns what the loop sees into the metrics.
     observer: Observer,
+    /// Which ranks are stragglers, from rank 0's reports.
+    stragglers: Stragglers,
+    /// When a straggler's host was last evicted: one host per window at most.
+    evicted_at: Option<Instant>,
 }
 
 impl Driver {
@@ -378,6 +384,62 @@ impl Driver {
         for id in self.heard.watched() {
             if let Some(r) = self.regs.get(&id) {
                 r.send(&DriverMsg::Ping);
+            }
+        }
+    }
+
+    /// Rank 0's report of how much each rank holds the others up: the metric, and the
+    /// stragglers it reveals, reported, and under `--straggler-policy evict` their hosts
+    /// evicted (one a window).
+    fn stragglers_in(&mut self, p: &crate::metrics::Progress) {
+        if p.lateness_permille.is_empty() {
+            return;
+        }
+        let hosts: Vec<String> = self
+            .core
+            .member_hosts()
+            .iter()
+            .map(|h| (*h).to_string())
+            .collect();
+        if hosts.len() != p.lateness_permille.len() {
+            return; // a report from before the current round
+        }
+        let now = Instant::now();
+        let found = self.stragglers.observe(
+            now.into_std(),
+            self.core.generation(),
+            p.steps,
+            &p.lateness_permille,
+        );
+        // Seconds a step the median rank waits for each rank.
+        let period = self.stragglers.period().map_or(0.0, |d| d.as_secs_f64());
+        let by_rank: Vec<(f64, &str)> = p
+            .lateness_permille
+            .iter()
+            .map(|&pm| f64::from(pm) / 1000.0 * period)
+            .zip(hosts.iter().map(String::as_str))
+            .collect();
+        self.observer.metrics().lateness(&by_rank);
+        let policy = self.stragglers.policy();
+        for s in found {
+            let host = hosts[s.rank].clone();
+            tracing::warn!(
+                rank = s.rank,
+                %host,
+                factor = (s.factor * 100.0).round() / 100.0,
+                held_up = (s.held_up * 100.0).round() / 100.0,
+                window_s = policy.sustained.as_secs_f64(),
+                "straggler: this rank's step takes factor times the median rank's"
+            );
+            let window_over = self
+                .evicted_at
+                .is_none_or(|t| now.saturating_duration_since(t) >= policy.sustained);
+            if policy.evict && window_over {
+                self.evicted_at = Some(now);
+                self.feed(Input::Straggler {
+                    host,
+                    factor: s.factor,
+                });
             }
         }
     }
@@ -763,6 +825,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();
     let heard = Heartbeats::new(spec.heartbeat_timeout);
+    let stragglers = Stragglers::new(spec.stragglers);
     let mut d = Driver {
         core,
         spec,
@@ -780,6 +843,8 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         awaiting: HashMap::new(),
         adopted: HashMap::new(),
         observer,
+        stragglers,
+        evicted_at: None,
     };
     if record.is_some() {
         // Every live worker of the predecessor gets the heartbeat timeout to reconnect (they
@@ -848,6 +913,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             _ = pings.tick() => d.ping(),
             Some((worker, p)) = progress_rx.recv() => {
                 let now = d.now();
+                d.stragglers_in(&p);
                 d.observer.progress(now, worker, p);
             }
             () = sleep_until(silence) => {

@@ -198,6 +198,9 @@ struct Scenario {
     heartbeat: Option<Duration>,
     /// Mean time between preemption notices; `None`: none.
     notice_every: Option<Duration>,
+    /// Mean time between evictions of a straggler's host (`--straggler-policy evict`); `None`:
+    /// none.
+    straggle_every: Option<Duration>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -224,6 +227,8 @@ enum Event {
     Silent(WorkerId),
     /// Churn: a host of the job gives notice of its preemption.
     Notice,
+    /// Churn: a member's host is a straggler, and the driver asks for its eviction.
+    Straggle,
     /// A noticed host's deadline: it leaves discovery and what still runs there dies.
     Preempt(String),
     /// Discovery runs (and, during churn, the hosts change first).
@@ -342,6 +347,8 @@ struct Stats {
     notices: u64,
     /// Noticed hosts that still ran a worker of the job at their deadline.
     late_drains: u64,
+    /// Straggler evictions the core carried out (it refuses those below `--min-np`).
+    evictions: u64,
 }
 
 /// How one run ended.
@@ -609,6 +616,10 @@ impl Sim {
             let n = self.rng.gap(every);
             self.push(n, Event::Notice);
         }
+        if let Some(every) = self.sc.straggle_every {
+            let n = self.rng.gap(every);
+            self.push(n, Event::Straggle);
+        }
         self.push(self.sc.churn, Event::EndChurn);
         let limit = self.sc.churn + SETTLE_LIMIT;
         while self.ending.is_none() {
@@ -783,6 +794,7 @@ impl Sim {
                 Ok(())
             }
             Event::Notice => self.notice(),
+            Event::Straggle => self.straggle(),
             Event::Preempt(host) => self.preempt(&host),
             Event::Poll => self.poll(),
             Event::EndChurn => {
@@ -835,6 +847,46 @@ impl Sim {
             source,
             within: Some(within),
         })
+    }
+
+    /// Churn: a random member's host is a straggler: the core evicts it (blacklisted with the
+    /// cooldown, drained gracefully) unless fewer than `--min-np` slots would be left.
+    fn straggle(&mut self) -> Result<(), String> {
+        let Some(every) = self.sc.straggle_every else {
+            return Ok(());
+        };
+        if self.phase != Phase::Churn {
+            return Ok(());
+        }
+        let gap = self.rng.gap(every);
+        self.push(gap, Event::Straggle);
+        if self.round_hosts.is_empty() {
+            return Ok(());
+        }
+        let host = self.round_hosts[self.rng.below(self.round_hosts.len())].clone();
+        let out = |sim: &Self| {
+            let snap = sim.core.snapshot(sim.now);
+            snap.blacklisted.iter().any(|(h, _)| *h == host)
+        };
+        let before = out(self);
+        let usable = self.available().0;
+        self.feed(Input::Straggler {
+            host: host.clone(),
+            factor: 1.5,
+        })?;
+        if out(self) && !before {
+            let slots = self.discovered.get(&host).copied().unwrap_or(0);
+            ensure!(
+                self,
+                usable.saturating_sub(slots) >= self.sc.min_np,
+                "the core evicted straggler {host} although {usable} usable slots less its {slots} \
+                 are below --min-np {}",
+                self.sc.min_np
+            );
+            self.stats.evictions += 1;
+            self.failed(&host);
+        }
+        Ok(())
     }
 
     /// A noticed host's deadline: it leaves discovery (intact: it may come back) and what
@@ -1271,6 +1323,11 @@ impl Sim {
                 t.u64(9);
                 t.u64(*worker);
                 t.u64(silent.as_millis() as u64);
+            }
+            Input::Straggler { host, factor } => {
+                t.u64(16);
+                t.str(host);
+                t.u64(factor.to_bits());
             }
             Input::Notice {
                 host,
@@ -2008,6 +2065,7 @@ fn base() -> Scenario {
         swap: 0.0,
         heartbeat: None,
         notice_every: None,
+        straggle_every: None,
     }
 }
 
@@ -2230,6 +2288,22 @@ fn preemption_notices_alone_cost_no_failure() {
     }
     let notices: u64 = outcomes.iter().map(|o| o.stats.notices).sum();
     assert!(notices >= 80, "only {notices} notices");
+}
+
+/// Straggler evictions amid the usual churn, with a cooldown: a straggler's host leaves
+/// gracefully (its workers are removed, nothing is stopped), stays out for its cooldown, and
+/// the core never evicts below `--min-np`.
+#[test]
+fn straggler_evictions_amid_churn_keep_every_promise() {
+    let sc = Scenario {
+        straggle_every: Some(secs(40)),
+        cooldown: Some((60, 600)),
+        ..base()
+    };
+    let seeds: Vec<u64> = (600..606).collect();
+    let outcomes = run_seeds("stragglers", sc, &seeds);
+    let evictions: u64 = outcomes.iter().map(|o| o.stats.evictions).sum();
+    assert!(evictions >= 20, "only {evictions} evictions");
 }
 
 #[test]
