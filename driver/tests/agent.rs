@@ -422,12 +422,11 @@ fn workers_whose_agent_died_before_they_registered_are_refused_and_exit() {
         .args(["-np", "2", "--max-np", "4", "--discovery-interval", "0.2"])
         .arg("--host-discovery-script")
         .arg(dir.join("discover.sh"))
-        // Each worker takes 4 s before it starts and registers: long after the driver, on a
-        // loaded machine too, has counted them lost with their agent.
+        // Each worker takes 2 s before it starts and registers.
         .args([
             "sh",
             "-c",
-            "sleep 4; exec \"$0\" \"$@\"",
+            "sleep 2; exec \"$0\" \"$@\"",
             &example("elastic_counter"),
         ])
         .args(["--steps", "600", "--commit-every", "5", "--step-ms", "10"])
