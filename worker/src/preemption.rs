@@ -748,8 +748,6 @@ mod tests {
         thread::sleep(Duration::from_millis(300));
         assert_eq!(sent.load(Ordering::SeqCst), 0, "a dead server is no notice");
         // The server comes up, preempted: one notice, sent once.
-        let l = TcpListener::bind(addr).unwrap();
-        drop(l);
         let up = fake(|_| {
             (
                 200,
