@@ -62,7 +62,7 @@ async fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
+        .with_writer(hvd_rendezvous::log_stderr)
         .init();
     if let Err(e) = undumpable {
         tracing::warn!(error = %e, "cannot make the agent non-dumpable; processes of the same \

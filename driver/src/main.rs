@@ -584,7 +584,7 @@ fn init_tracing(args: &cli::Args) {
         .with_env_filter(filter)
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
+        .with_writer(hvd_rendezvous::log_stderr);
     if args.log_without_timestamp {
         fmt.without_time().init();
     } else {

@@ -10,6 +10,7 @@
 mod assign;
 mod auth;
 mod env;
+mod log_stderr;
 mod msg;
 mod notice;
 mod vars;
@@ -18,6 +19,7 @@ pub use assign::{AssignError, HostSlots, SlotInfo, assign_static};
 pub use auth::{AuthMsg, CONTEXT, DialerAuth, ListenerAuth, open_line, refusal_line, seal_line};
 pub use env::*;
 pub use hvd_auth::{Opener, Sealer, Session};
+pub use log_stderr::{Lossy, log_stderr};
 pub use msg::{
     DriverMsg, HostsUpdate, MAX_LINE, Placement, ProtocolError, WorkerMsg, decode_line, encode_line,
 };

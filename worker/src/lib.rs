@@ -778,7 +778,7 @@ pub fn install_logging(default: &str) -> Result<()> {
         // Colours only on a terminal: a launcher's pipe carries the lines into its own output
         // and log files, where escape codes would be noise.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
+        .with_writer(hvd_rendezvous::log_stderr);
     // An error means a subscriber is installed already: that one stays.
     let _ = if log.hide_time {
         fmt.without_time().try_init()

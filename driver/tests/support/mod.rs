@@ -395,12 +395,13 @@ impl Job {
     pub fn wait_stderr(&self, what: &str) -> String {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Some(l) = self.err.lock().unwrap().lines().find(|l| l.contains(what)) {
+            let err = self.err.lock().unwrap().clone();
+            if let Some(l) = err.lines().find(|l| l.contains(what)) {
                 return l.to_string();
             }
             assert!(
                 Instant::now() < deadline,
-                "horovodrun never logged {what:?}"
+                "horovodrun never logged {what:?}; its log:\n{err}"
             );
             thread::sleep(Duration::from_millis(20));
         }
