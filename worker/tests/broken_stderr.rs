@@ -6,22 +6,18 @@ use std::process::{Command, Stdio};
 
 const CHILD: &str = "HVD_TEST_BROKEN_STDERR_CHILD";
 
-/// In the child: logging as a worker does, wait for the parent to close the reading end of
-/// stderr, then log past it.
-fn child() {
-    hvd::install_logging("info").expect("logging");
-    let mut line = String::new();
-    std::io::stdin().lock().read_line(&mut line).expect("go");
-    for i in 0..3 {
-        tracing::info!(i, "a line nobody reads");
-    }
-    std::process::exit(0);
-}
-
 #[test]
 fn a_worker_logs_on_after_its_stderr_reader_is_gone() {
     if std::env::var_os(CHILD).is_some() {
-        child();
+        // The child: log as a worker does, wait for the parent to close the reading end of
+        // stderr, then log past it.
+        hvd::install_logging("info").expect("logging");
+        let mut line = String::new();
+        std::io::stdin().lock().read_line(&mut line).expect("go");
+        for i in 0..3 {
+            tracing::info!(i, "a line nobody reads");
+        }
+        std::process::exit(0);
     }
     let mut c = Command::new(std::env::current_exe().expect("test exe"))
         .args([
