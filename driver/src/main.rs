@@ -8,6 +8,7 @@ mod hosts;
 mod job;
 mod launch;
 mod liveness;
+mod log_tail;
 mod lsf;
 mod metrics;
 mod rendezvous;
@@ -580,16 +581,33 @@ fn init_tracing(args: &cli::Args) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let fmt = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    type Filtered = tracing_subscriber::layer::Layered<
+        tracing_subscriber::EnvFilter,
+        tracing_subscriber::Registry,
+    >;
+    // The same lines, without colour, for the status page's log tail.
+    let tail = log_tail::LogTail::new(log_tail::LINES_KEPT);
+    tail.install();
+    let stderr = tracing_subscriber::fmt::layer()
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(hvd_rendezvous::log_stderr);
-    if args.log_without_timestamp {
-        fmt.without_time().init();
+    let kept = tracing_subscriber::fmt::layer()
+        .with_target(false)
+        .with_ansi(false)
+        .with_writer(tail);
+    let layers: Vec<Box<dyn Layer<Filtered> + Send + Sync>> = if args.log_without_timestamp {
+        vec![stderr.without_time().boxed(), kept.without_time().boxed()]
     } else {
-        fmt.init();
-    }
+        vec![stderr.boxed(), kept.boxed()]
+    };
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(layers)
+        .init();
 }
 
 /// Turns the flags into a job: hosts, slots, ranks. Everything is checked before anything starts.

@@ -440,6 +440,7 @@ mod tests {
             blacklisted: vec![("c".into(), None)],
             resets,
             noticed: vec![],
+            rounds: vec![],
         }
     }
 

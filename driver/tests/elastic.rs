@@ -516,13 +516,25 @@ fn the_status_endpoint_reports_rounds_workers_and_blacklisted_hosts() {
     job.wait_step(20, 4);
     let (code, body) = http_get(port, "GET", "/status");
     assert_eq!(code, 200, "{body}");
-    let v: Value = serde_json::from_str(&body).expect("JSON");
+    let mut v: Value = serde_json::from_str(&body).expect("JSON");
+    let first = v["rounds"][0]["at_ms"]
+        .as_u64()
+        .expect("the first round's time");
+    let log = v["log"].take();
+    assert!(
+        log.as_array().is_some_and(|l| l.iter().any(|l| l
+            .as_str()
+            .is_some_and(|l| l.contains("round complete; training at the new size round=1")))),
+        "the driver's recent lines: {log}"
+    );
     assert_eq!(
         v,
         serde_json::json!({
             "phase": "Running", "generation": 1, "workers": 4,
             "hosts": [{"host": "127.0.0.2", "slots": 2}, {"host": "127.0.0.3", "slots": 2}],
-            "blacklisted": [], "resets": 0
+            "blacklisted": [], "resets": 0,
+            "rounds": [{"generation": 1, "at_ms": first, "workers": 4, "causes": []}],
+            "noticed": [], "lateness": [], "log": null
         })
     );
     signal(job.pids_on("127.0.0.3")[0], Signal::SIGKILL);
@@ -547,6 +559,20 @@ fn the_status_endpoint_reports_rounds_workers_and_blacklisted_hosts() {
         serde_json::json!([{"host": "127.0.0.2", "slots": 2}])
     );
     assert_eq!(v["blacklisted"][0]["host"], "127.0.0.3", "{v}");
+    let cause = &v["rounds"][1]["causes"][0];
+    assert_eq!(
+        (
+            &cause["kind"],
+            &cause["host"],
+            v["rounds"][1]["workers"].as_u64()
+        ),
+        (
+            &serde_json::json!("failure"),
+            &serde_json::json!("127.0.0.3"),
+            Some(2)
+        ),
+        "{v}"
+    );
     let until = v["blacklisted"][0]["until_ms"]
         .as_u64()
         .expect("a cooldown end");

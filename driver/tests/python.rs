@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
 
+#[path = "support/browser.rs"]
+mod browser;
 mod support;
 
 use std::path::Path;
@@ -648,4 +650,92 @@ fn adasum_needs_fewer_steps_than_averaging_at_an_unscaled_learning_rate() {
         four_ada < two_ada,
         "Adasum on 4 ranks {four_ada}, on 2 {two_ada}"
     );
+}
+
+/// The status page in a real browser: headless Chromium loads `/` during a PyTorch job that
+/// lost a worker to a kill and a host to a notice, and the page, once its script rendered it,
+/// shows the world size over time, both resets with their causes, every rank's lateness, the
+/// blacklisted and the noticed host, and the driver's log. A screenshot is kept in target/.
+#[test]
+fn the_status_page_shows_the_job_in_a_real_browser() {
+    let hosts = ["127.0.0.2:2", "127.0.0.3:1", "127.0.0.4:1"];
+    let flags = [
+        "-np",
+        "4",
+        "--min-np",
+        "2",
+        "--status-port",
+        "0",
+        "--blacklist-cooldown-range",
+        "600",
+        "600",
+    ];
+    let args = ["--steps", "1500", "--commit-every", "5", "--step-ms", "20"];
+    let mut job = elastic_script(
+        "py-status-page",
+        &hosts,
+        &flags,
+        "python/tests/elastic_train.py",
+        &args,
+    );
+    let port = job.status_port();
+    job.wait_step(20, 4);
+    let killed = job.pids_on("127.0.0.3");
+    assert_eq!(killed.len(), 1, "{:?}", job.workers());
+    signal(killed[0], Signal::SIGKILL);
+    job.wait_step(1, 3);
+    let noticed = job.pids_on("127.0.0.4");
+    assert_eq!(noticed.len(), 1, "{:?}", job.workers());
+    signal(noticed[0], Signal::SIGTERM);
+    let at_two = job.wait_step(1, 2);
+    // Rank 0 reports the engine's lateness with its progress, about once a second.
+    let lateness_by = at_two.v["step"].as_u64().unwrap_or(0) + 150;
+    job.wait_step(lateness_by, 2);
+    let dir = scratch("py-status-page-browser");
+    let url = format!("http://127.0.0.1:{port}/");
+    let dom = browser::dom(&dir, &url);
+    let png = target_dir().join("status-page.png");
+    browser::screenshot(&dir, &url, &png, 1280, 1100);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 1500), 2);
+
+    let has = |what: &str| assert!(dom.contains(what), "the page lacks {what:?}:\n{dom}");
+    has(r#"<b id="phase" class="phase-Running">Running</b>"#);
+    has(r#"<b id="generation">3</b>"#);
+    has(r#"<b id="resets-count">2</b>"#);
+    // The chart: a step line through three rounds.
+    has(r#"<path id="size-line""#);
+    assert_eq!(dom.matches(r#"class="round-mark"#).count(), 3, "{dom}");
+    // Each reset with its cause and host.
+    for (kind, host) in [("failure", "127.0.0.3"), ("notice", "127.0.0.4")] {
+        let row = dom
+            .split("<tr ")
+            .find(|r| r.contains(&format!(r#"data-kind="{kind}""#)))
+            .unwrap_or_else(|| panic!("no {kind} row:\n{dom}"));
+        assert!(row.contains(&format!("<td>{host}</td>")), "{row}");
+    }
+    assert!(dom.contains("sigterm notice, deadline in 30 s"), "{dom}");
+    // Every rank of the round of two, with its lateness.
+    for rank in 0..2 {
+        has(&format!(r#"data-rank="{rank}""#));
+    }
+    has(r#"data-host="127.0.0.3" data-why="blacklisted""#);
+    has(r#"data-host="127.0.0.4" data-why="notice""#);
+    // The driver's log, its recent lines.
+    let log = dom
+        .split(r#"<pre id="log">"#)
+        .nth(1)
+        .and_then(|l| l.split("</pre>").next())
+        .unwrap_or_default();
+    assert!(log.contains("host gave notice"), "{log}");
+    assert!(log.contains("worker failed"), "{log}");
+    let shot = std::fs::read(&png).expect("the screenshot");
+    assert!(shot.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    assert!(
+        shot.len() > 30_000,
+        "a {} byte screenshot of a page this full",
+        shot.len()
+    );
+    eprintln!("status page screenshot: {}", png.display());
 }

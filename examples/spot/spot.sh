@@ -227,7 +227,7 @@ write_fleet
 : >"$err"
 cmd=("$hvdrun" -np 4 --min-np 2 --max-np 6
     --host-discovery-script examples/spot/discover.sh --discovery-interval 0.5
-    --blacklist-cooldown-range 2 10
+    --blacklist-cooldown-range 2 10 --status-port 0
     "${counter_cmd[@]}" --steps "$STEPS" --commit-every "$COMMIT_EVERY" --step-ms "$STEP_MS")
 echo "   \$ ${cmd[*]}"
 t0_us=${EPOCHREALTIME//[.,]/}
@@ -238,6 +238,8 @@ hvd_pid=$!
 banner "start: on-demand fleet 127.0.0.2:2 + 127.0.0.3:2, expecting size 4"
 set_mark
 await 4 "the first round" "$START_TIMEOUT" && ok=0 || ok=$?
+port=$(sed -n 's/.*status endpoint listening.*:\([0-9][0-9]*\)$/\1/p' "$err" | head -n 1)
+[[ -n $port ]] && echo "   the job's status page, while it runs: http://127.0.0.1:$port/"
 
 if (( ok != 2 )); then
     banner "(a) new spot host 127.0.0.4:2 appears (scale-up 4 → 6)"

@@ -47,7 +47,7 @@ impl DriverPhase {
 }
 
 /// The driver's view of the job (`GET /status`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DriverStatus {
     /// Where the job stands.
     #[serde(default)]
@@ -67,6 +67,99 @@ pub struct DriverStatus {
     /// Elastic resets so far.
     #[serde(default)]
     pub resets: u64,
+    /// The last rounds, oldest first, each with what caused it: the world size over time.
+    #[serde(default)]
+    pub rounds: Vec<StatusRound>,
+    /// Hosts kept out after a notice, and until when.
+    #[serde(default)]
+    pub noticed: Vec<NoticedHost>,
+    /// How much each rank of the current round holds the others up, as rank 0 last reported.
+    #[serde(default)]
+    pub lateness: Vec<RankLateness>,
+    /// The driver's recent log lines, oldest first.
+    #[serde(default)]
+    pub log: Vec<String>,
+}
+
+/// A completed rendezvous round.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusRound {
+    /// Its number (1: the first).
+    pub generation: u64,
+    /// When it completed, in Unix milliseconds.
+    #[serde(default)]
+    pub at_ms: u64,
+    /// Its workers.
+    #[serde(default)]
+    pub workers: u64,
+    /// What made the job leave the round before it (none for the first round).
+    #[serde(default)]
+    pub causes: Vec<ResetCause>,
+}
+
+/// Why the job left a round for a new one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResetCause {
+    /// What kind of event.
+    pub kind: CauseKind,
+    /// The host it concerns (empty when none does).
+    #[serde(default)]
+    pub host: String,
+    /// What happened, in a person's words.
+    #[serde(default)]
+    pub detail: String,
+}
+
+/// The kinds of event that reset an elastic job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CauseKind {
+    /// A worker failed (exited non-zero, killed, or did not register or join in time).
+    Failure,
+    /// A worker stopped answering the driver's heartbeats.
+    Frozen,
+    /// A host gave notice that it is going away (SIGTERM, a cloud's preemption notice).
+    Notice,
+    /// A straggler's host was evicted.
+    Straggler,
+    /// Hosts or slots were added.
+    ScaleUp,
+    /// Hosts or slots left discovery.
+    ScaleDown,
+    /// A worker asked for a new round by itself (its collective failed).
+    Requested,
+    /// A kind this build does not know (a newer driver).
+    #[serde(other)]
+    Unknown,
+}
+
+/// A host that gave notice.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NoticedHost {
+    /// Host name or address, as discovery gave it.
+    pub host: String,
+    /// Who gave the notice (`sigterm`, `aws`, `gce`, `azure`, `kubernetes`).
+    #[serde(default)]
+    pub source: String,
+    /// When it may come back, in Unix milliseconds.
+    #[serde(default)]
+    pub until_ms: u64,
+}
+
+/// How much one rank holds the others up.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RankLateness {
+    /// The rank.
+    pub rank: u64,
+    /// Its host.
+    #[serde(default)]
+    pub host: String,
+    /// Seconds a step the median rank waits for it.
+    #[serde(default)]
+    pub seconds: f64,
+    /// How many times the median rank's step its step takes.
+    #[serde(default)]
+    pub factor: f64,
 }
 
 /// A host of the current round.
@@ -109,6 +202,28 @@ mod tests {
                 until_ms: Some(1_795_000_000_000),
             }],
             resets: 2,
+            rounds: vec![StatusRound {
+                generation: 2,
+                at_ms: 1_795_000_000_000,
+                workers: 3,
+                causes: vec![ResetCause {
+                    kind: CauseKind::Notice,
+                    host: "10.0.0.3".into(),
+                    detail: "aws, 120 s".into(),
+                }],
+            }],
+            noticed: vec![NoticedHost {
+                host: "10.0.0.3".into(),
+                source: "aws".into(),
+                until_ms: 1_795_000_180_000,
+            }],
+            lateness: vec![RankLateness {
+                rank: 1,
+                host: "10.0.0.1".into(),
+                seconds: 0.25,
+                factor: 1.5,
+            }],
+            log: vec!["a line".into()],
         };
         let text = serde_json::to_string(&s).unwrap_or_default();
         assert!(text.contains("\"phase\":\"Rescaling\""), "{text}");
@@ -129,5 +244,18 @@ mod tests {
         assert_eq!(s.map(|s| s.phase), Some(DriverPhase::Unknown));
         let s: Option<DriverStatus> = serde_json::from_str("{}").ok();
         assert_eq!(s.map(|s| s.phase), Some(DriverPhase::Running));
+    }
+
+    #[test]
+    fn causes_are_written_in_snake_case_and_a_newer_one_reads_as_unknown() {
+        let c = ResetCause {
+            kind: CauseKind::ScaleUp,
+            host: String::new(),
+            detail: String::new(),
+        };
+        let text = serde_json::to_string(&c).unwrap_or_default();
+        assert!(text.contains("\"kind\":\"scale_up\""), "{text}");
+        let c: Option<ResetCause> = serde_json::from_str(r#"{"kind":"meteor"}"#).ok();
+        assert_eq!(c.map(|c| c.kind), Some(CauseKind::Unknown));
     }
 }

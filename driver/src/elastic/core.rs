@@ -20,13 +20,14 @@
 //! its workers) is drained the same way, although discovery still lists it, and is not
 //! blacklisted: it is kept out until its notice's deadline has passed.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use hvd_discovery::{Blacklist, CooldownRange, HostSpec};
 use hvd_rendezvous::{
     HostSlots, NOTICE_HOLD_DEFAULT, NoticeSource, Placement, SlotInfo, assign_static,
 };
+pub use hvd_serve::status::{CauseKind, ResetCause};
 
 /// A worker process's driver-given id.
 pub type WorkerId = u64;
@@ -237,7 +238,25 @@ pub struct Snapshot {
     pub resets: u64,
     /// Hosts kept out after a notice: name, who gave it, and when it is over.
     pub noticed: Vec<(String, NoticeSource, Duration)>,
+    /// The last [`ROUNDS_KEPT`] completed rounds, oldest first.
+    pub rounds: Vec<Round>,
 }
+
+/// A completed round, as the status page draws the job's history.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Round {
+    /// Its number.
+    pub generation: u64,
+    /// When it completed (since the job began).
+    pub at: Duration,
+    /// Its workers.
+    pub size: usize,
+    /// What made the job leave the round before it; empty for the first.
+    pub causes: Vec<ResetCause>,
+}
+
+/// How many completed rounds the core remembers for the status page.
+pub const ROUNDS_KEPT: usize = 128;
 
 /// How long past its notice's deadline a host is still kept out: a preempted machine leaves
 /// discovery only once the cloud's API stops listing it, a poll or two after it went.
@@ -335,6 +354,12 @@ pub struct Core {
     /// Hosts that gave notice, kept out of the job until their deadline.
     #[serde(default)]
     noticed: BTreeMap<String, Noticed>,
+    /// What made the job leave its current round, as it happened; the next round takes them.
+    #[serde(default)]
+    causes: Vec<ResetCause>,
+    /// The last [`ROUNDS_KEPT`] completed rounds.
+    #[serde(default)]
+    rounds: VecDeque<Round>,
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -374,6 +399,8 @@ impl Core {
             keeping: None,
             failed_early: false,
             noticed: BTreeMap::new(),
+            causes: Vec::new(),
+            rounds: VecDeque::new(),
         }
     }
 
@@ -489,6 +516,7 @@ impl Core {
             blacklisted,
             resets: self.resets as u64,
             noticed,
+            rounds: self.rounds.iter().cloned().collect(),
         }
     }
 
@@ -575,6 +603,28 @@ impl Core {
         out.push(Action::Finish { code, message });
     }
 
+    /// Notes why the job leaves its current round, for the round that follows it; a host's
+    /// second word of the same kind adds nothing.
+    fn cause(&mut self, kind: CauseKind, host: &str, detail: String) {
+        if self.generation == 0 || self.causes.iter().any(|c| c.kind == kind && c.host == host) {
+            return;
+        }
+        self.causes.push(ResetCause {
+            kind,
+            host: host.to_string(),
+            detail,
+        });
+    }
+
+    /// Whether a live member of the current round runs on `host`.
+    fn hosts_member(&self, host: &str) -> bool {
+        self.current.iter().any(|m| {
+            self.workers
+                .get(m)
+                .is_some_and(|w| w.live() && w.host == host)
+        })
+    }
+
     /// Whether a host of the order offers slots (the order holds only usable hosts; a
     /// noticed one stays in it, in its place, but offers none until its notice is over).
     fn has_slots(&self, host: &str) -> bool {
@@ -627,6 +677,13 @@ impl Core {
             workers,
             "host gave notice: it leaves the job gracefully (nothing rolled back, not blacklisted)"
         );
+        if self.hosts_member(&host) {
+            self.cause(
+                CauseKind::Notice,
+                &host,
+                format!("{source} notice, deadline in {deadline_s} s"),
+            );
+        }
         self.noticed.insert(
             host,
             Noticed {
@@ -662,6 +719,13 @@ impl Core {
                 factor,
                 cooldown_s = b.until.map(|u| (u.saturating_sub(now).as_secs_f64() * 10.0).round() / 10.0),
                 "straggler's host evicted: it leaves gracefully and is cooled down"
+            );
+        }
+        if self.hosts_member(host) {
+            self.cause(
+                CauseKind::Straggler,
+                host,
+                format!("a rank's step took {factor} times the median rank's"),
             );
         }
         self.order.retain(|h| h != host);
@@ -725,8 +789,17 @@ impl Core {
         match w.phase {
             Phase::Running | Phase::Starting | Phase::Ready => {
                 tracing::info!(worker = id, host = %w.host, %reason, "worker asks for a new round");
+                let asked = w.phase == Phase::Running && !self.pending;
                 w.phase = Phase::Ready;
                 w.due = None;
+                if asked && self.causes.is_empty() {
+                    let host = w.host.clone();
+                    self.cause(
+                        CauseKind::Requested,
+                        &host,
+                        format!("worker {id}: {reason}"),
+                    );
+                }
             }
             Phase::Finished | Phase::Leaving | Phase::Exited => return,
         }
@@ -890,7 +963,7 @@ impl Core {
             Phase::Starting | Phase::Ready | Phase::Running => {
                 tracing::warn!(worker = id, %host, exit = %exit.description, "worker failed");
                 let why = format!("worker {id} on {host} {}", exit.description);
-                self.host_failed(now, id, &host, &why, out);
+                self.host_failed(now, id, &host, &why, CauseKind::Failure, out);
             }
         }
     }
@@ -924,7 +997,7 @@ impl Core {
         w.due = None;
         out.push(Action::Stop { worker: id });
         let why = format!("worker {id} on {host} stopped answering for {silent_s:.1} s (frozen?)");
-        self.host_failed(now, id, &host, &why, out);
+        self.host_failed(now, id, &host, &why, CauseKind::Frozen, out);
     }
 
     /// Blacklists `host` and stops its other workers: a host whose worker `failed` failed is
@@ -932,13 +1005,14 @@ impl Core {
     /// that never made it into a round leaves the running ones alone. The round's other
     /// members are told to abort (`why` says what failed) and must join the next round in time.
     /// After a worker exited 0, a failure fails the job instead: it can't both succeed and
-    /// recover.
+    /// recover. A lost member is noted as the next round's cause, of `kind`.
     fn host_failed(
         &mut self,
         now: Duration,
         failed: WorkerId,
         host: &str,
         why: &str,
+        kind: CauseKind,
         out: &mut Vec<Action>,
     ) {
         if let Some(done) = self.finisher() {
@@ -985,6 +1059,9 @@ impl Core {
             });
         if lost_member || self.generation == 0 {
             self.pending = true;
+        }
+        if lost_member {
+            self.cause(kind, host, why.to_string());
         }
         if lost_member && self.generation > 0 {
             // A survivor blocked on a hung member never reads the dead one's connection: only
@@ -1236,7 +1313,7 @@ impl Core {
             }
             out.push(Action::Stop { worker: id });
             let why = format!("worker {id} on {host} {what} in time");
-            self.host_failed(now, id, &host, &why, out);
+            self.host_failed(now, id, &host, &why, CauseKind::Failure, out);
         }
     }
 
@@ -1368,6 +1445,15 @@ impl Core {
         self.generation += 1;
         self.pending = false;
         self.keeping = None;
+        if self.rounds.len() == ROUNDS_KEPT {
+            self.rounds.pop_front();
+        }
+        self.rounds.push_back(Round {
+            generation: self.generation,
+            at: now,
+            size: target.len(),
+            causes: std::mem::take(&mut self.causes),
+        });
         let hosts: Vec<String> = target.iter().map(|s| s.host.clone()).collect();
         let first = self.generation == 1;
         for (s, &id) in target.iter().zip(&members) {
@@ -1524,6 +1610,25 @@ impl Core {
         let hosts: BTreeSet<String> = target.iter().flatten().map(|s| s.host.clone()).collect();
         let added: Vec<String> = hosts.difference(&self.announced_hosts).cloned().collect();
         let removed: Vec<String> = self.announced_hosts.difference(&hosts).cloned().collect();
+        let before: usize = self.announced.iter().flatten().map(|(_, n)| n).sum();
+        let after: usize = slots.iter().flatten().map(|(_, n)| n).sum();
+        for h in &added {
+            self.cause(CauseKind::ScaleUp, h, "host added".into());
+        }
+        for h in &removed {
+            // A host that gave notice or was evicted is already named for what it was.
+            if !self.causes.iter().any(|c| c.host == *h) {
+                self.cause(CauseKind::ScaleDown, h, "host left discovery".into());
+            }
+        }
+        if added.is_empty() && removed.is_empty() {
+            let kind = if after > before {
+                CauseKind::ScaleUp
+            } else {
+                CauseKind::ScaleDown
+            };
+            self.cause(kind, "", format!("slots {before} -> {after}"));
+        }
         let workers = self.running_members();
         let update_id = self.next_update;
         self.next_update += 1;
@@ -1647,6 +1752,12 @@ mod tests {
                 blacklisted: vec![],
                 resets: 0,
                 noticed: vec![],
+                rounds: vec![Round {
+                    generation: 1,
+                    at: secs(1),
+                    size: 4,
+                    causes: vec![],
+                }],
             }
         );
         let a = core.handle(
@@ -1677,6 +1788,19 @@ mod tests {
             (JobPhase::Running, 2, 2, 1)
         );
         assert_eq!(s.hosts, vec![("a".into(), 2)]);
+        assert_eq!(
+            s.rounds[1],
+            Round {
+                generation: 2,
+                at: secs(6),
+                size: 2,
+                causes: vec![ResetCause {
+                    kind: CauseKind::Failure,
+                    host: "b".into(),
+                    detail: format!("worker {} on b was killed by signal 9", ids[3]),
+                }],
+            }
+        );
         assert!(
             core.snapshot(secs(30)).blacklisted.is_empty(),
             "cooldown over"

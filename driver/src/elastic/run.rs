@@ -31,6 +31,7 @@ use crate::liveness::{self, Heartbeats, StragglerPolicy, Stragglers};
 use crate::metrics::{Metrics, Observer};
 use crate::rendezvous::{self, Registration, Wire};
 use crate::status::{self, Published};
+use hvd_serve::status::RankLateness;
 
 /// Where the hosts come from.
 #[derive(Debug, Clone)]
@@ -153,6 +154,8 @@ struct Driver {
     stragglers: Stragglers,
     /// When a straggler's host was last evicted: one host per window at most.
     evicted_at: Option<Instant>,
+    /// Rank 0's last lateness report, for the status page, and the round it is of.
+    lateness: (u64, Vec<RankLateness>),
 }
 
 impl Driver {
@@ -420,6 +423,18 @@ impl Driver {
             .zip(hosts.iter().map(String::as_str))
             .collect();
         self.observer.metrics().lateness(&by_rank);
+        let ranks = by_rank
+            .iter()
+            .zip(&p.lateness_permille)
+            .enumerate()
+            .map(|(rank, (&(seconds, host), &pm))| RankLateness {
+                rank: rank as u64,
+                host: host.to_string(),
+                seconds,
+                factor: liveness::step_factor(f64::from(pm.min(1000)) / 1000.0),
+            })
+            .collect();
+        self.lateness = (self.core.generation(), ranks);
         let policy = self.stragglers.policy();
         for s in found {
             let host = hosts[s.rank].clone();
@@ -775,6 +790,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     let (status_tx, status_rx) = tokio::sync::watch::channel(Published {
         snapshot: core.snapshot(Duration::ZERO),
         epoch,
+        lateness: Vec::new(),
     });
     let observer = Observer::new(metrics.clone(), t0.elapsed(), &core.snapshot(t0.elapsed()));
     let (stop_status, status_stopped) = tokio::sync::oneshot::channel::<()>();
@@ -783,7 +799,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             let listener = hvd_serve::bind_any(port, "status endpoint")
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot serve --status-port {port}: {e}"))?;
-            tracing::info!(addr = %listener.local_addr()?, "status endpoint listening on GET /status and GET /metrics");
+            tracing::info!(addr = %listener.local_addr()?, "status endpoint listening: the page on GET /, GET /status and GET /metrics");
             let stopped = async {
                 let _ = status_stopped.await;
             };
@@ -845,6 +861,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         observer,
         stragglers,
         evicted_at: None,
+        lateness: (0, Vec::new()),
     };
     if record.is_some() {
         // Every live worker of the predecessor gets the heartbeat timeout to reconnect (they
@@ -929,7 +946,16 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         }
         let snapshot = d.core.snapshot(d.now());
         d.observer.snapshot(d.now(), &snapshot);
-        status_tx.send_replace(Published { snapshot, epoch });
+        // A report of an earlier round names ranks that may be gone.
+        let lateness = match &d.lateness {
+            (g, ranks) if *g == snapshot.generation => ranks.clone(),
+            _ => Vec::new(),
+        };
+        status_tx.send_replace(Published {
+            snapshot,
+            epoch,
+            lateness,
+        });
         if let Some(c) = &control {
             c.publish(&d.core);
         }

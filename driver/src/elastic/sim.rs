@@ -1671,6 +1671,20 @@ impl Sim {
         );
         let distinct: BTreeSet<WorkerId> = members.iter().copied().collect();
         ensure!(self, distinct.len() == n, "round {g} lists a worker twice");
+        // The status page's history: every round recorded, every reset with what caused it.
+        let snap = self.core.snapshot(self.now);
+        let last = snap.rounds.last();
+        ensure!(
+            self,
+            last.is_some_and(|r| r.generation == g && r.size == n && r.at == self.now),
+            "round {g} of {n} workers is recorded as {last:?}"
+        );
+        let causes = last.map_or(0, |r| r.causes.len());
+        ensure!(
+            self,
+            (g == 1) == (causes == 0),
+            "round {g} is recorded with {causes} causes: {last:?}"
+        );
         let expected = match placements(&hosts) {
             Ok(p) => p,
             Err(e) => return Err(self.violation(format!("round {g}: {e}"))),
