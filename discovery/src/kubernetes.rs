@@ -7,9 +7,12 @@
 //! timestamp or the `DisruptionTarget` condition (an eviction, a preemption, a node drain or
 //! taint manager's decision, set before the kubelet's SIGTERM) leaves the set on the event that
 //! says so, which is what lets a spot-preemption notice reach the driver before the node goes
-//! away: the driver drains its workers gracefully.
+//! away. Such a pod, while still Ready, is also reported as [`LeavingPod`]: the driver takes it
+//! as the host's notice (source `kubernetes`, the deadline its deletion time) and drains its
+//! workers gracefully.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, SystemTime};
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
@@ -111,14 +114,77 @@ fn is_disruption_target(pod: &Pod) -> bool {
         })
 }
 
+/// A Ready pod that Kubernetes is about to take away (a deletion timestamp, or the
+/// `DisruptionTarget` condition): its host has notice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeavingPod {
+    /// Its host, addressed as a host of the set would be.
+    pub host: String,
+    /// When it will be killed: its deletion timestamp (the end of its grace period); `None`
+    /// when only the condition says it will go.
+    pub deadline: Option<SystemTime>,
+}
+
+impl LeavingPod {
+    /// How long it has left at `now` (`None`: unknown).
+    pub fn within(&self, now: SystemTime) -> Option<Duration> {
+        self.deadline
+            .map(|d| d.duration_since(now).unwrap_or(Duration::ZERO))
+    }
+}
+
+/// What the selected pods offer: the hosts, and the hosts that have notice.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodSet {
+    /// The hosts, sorted by pod name.
+    pub hosts: Vec<HostSpec>,
+    /// Pods about to be taken away, sorted by pod name.
+    pub leaving: Vec<LeavingPod>,
+}
+
 /// The hosts among some pods, and the pods left out because their slot count is unusable.
 #[derive(Debug, Default)]
 pub struct PodHosts {
     /// The hosts, sorted by pod name.
     pub hosts: Vec<HostSpec>,
+    /// Pods about to be taken away, sorted by pod name.
+    pub leaving: Vec<LeavingPod>,
     /// One error per pod left out: [`KubeDiscoveryError::BadSlots`] or
     /// [`KubeDiscoveryError::ZeroDefaultSlots`], naming the pod.
     pub skipped: Vec<KubeDiscoveryError>,
+}
+
+/// The pod's address as a host: its stable DNS name under `sel.service`, else its IP.
+fn address(pod: &Pod, name: &str, sel: &PodSelector) -> Option<String> {
+    match &sel.service {
+        Some(svc) => {
+            let hostname = pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.hostname.as_deref())
+                .unwrap_or(name);
+            let ns = pod
+                .metadata
+                .namespace
+                .as_deref()
+                .or(sel.namespace.as_deref())
+                .unwrap_or("default");
+            (!hostname.is_empty()).then(|| format!("{hostname}.{svc}.{ns}.svc"))
+        }
+        None => pod
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.as_deref())
+            .filter(|ip| !ip.is_empty())
+            .map(str::to_string),
+    }
+}
+
+/// The end of the pod's grace period, from its deletion timestamp.
+fn deletion_time(pod: &Pod) -> Option<SystemTime> {
+    let ms = pod.metadata.deletion_timestamp.as_ref()?.0.as_millisecond();
+    let ms = u64::try_from(ms).ok()?;
+    SystemTime::UNIX_EPOCH.checked_add(Duration::from_millis(ms))
 }
 
 /// The hosts among `pods`, sorted by pod name: pods that are Ready, have no deletion timestamp
@@ -129,44 +195,31 @@ pub struct PodHosts {
 /// in [`PodHosts::skipped`]: one malformed pod does not hide the others.
 pub fn hosts_from_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>, sel: &PodSelector) -> PodHosts {
     let mut by_name: Vec<(&str, HostSpec)> = Vec::new();
+    let mut leaving: Vec<(&str, LeavingPod)> = Vec::new();
     let mut skipped = Vec::new();
     for pod in pods {
         let name = pod.metadata.name.as_deref().unwrap_or_default();
-        if pod.metadata.deletion_timestamp.is_some() || is_disruption_target(pod) || !is_ready(pod)
-        {
+        if !is_ready(pod) {
             continue;
         }
-        let host = match &sel.service {
-            Some(svc) => {
-                let hostname = pod
-                    .spec
-                    .as_ref()
-                    .and_then(|s| s.hostname.as_deref())
-                    .unwrap_or(name);
-                let ns = pod
-                    .metadata
-                    .namespace
-                    .as_deref()
-                    .or(sel.namespace.as_deref())
-                    .unwrap_or("default");
-                if hostname.is_empty() {
-                    continue;
-                }
-                format!("{hostname}.{svc}.{ns}.svc")
-            }
-            None => match pod.status.as_ref().and_then(|s| s.pod_ip.as_deref()) {
-                Some(ip) if !ip.is_empty() => ip.to_string(),
-                _ => continue,
-            },
+        let Some(host) = address(pod, name, sel) else {
+            continue;
         };
+        if pod.metadata.deletion_timestamp.is_some() || is_disruption_target(pod) {
+            let deadline = deletion_time(pod);
+            leaving.push((name, LeavingPod { host, deadline }));
+            continue;
+        }
         match slots_of(pod, name, sel) {
             Ok(slots) => by_name.push((name, HostSpec { host, slots })),
             Err(e) => skipped.push(e),
         }
     }
     by_name.sort_by(|a, b| a.0.cmp(b.0));
+    leaving.sort_by(|a, b| a.0.cmp(b.0));
     PodHosts {
         hosts: by_name.into_iter().map(|(_, h)| h).collect(),
+        leaving: leaving.into_iter().map(|(_, l)| l).collect(),
         skipped,
     }
 }
@@ -207,14 +260,14 @@ fn slots_of(pod: &Pod, name: &str, sel: &PodSelector) -> Result<usize, KubeDisco
     }
 }
 
-/// Watches the selected pods and sends the full host set after every completed list and every
-/// time the set changes; sends `Err` when the watch fails (it keeps retrying with backoff). A pod
+/// Watches the selected pods and sends the full host set, with the pods about to leave, after
+/// every completed list and every time either changes; sends `Err` when the watch fails (it keeps retrying with backoff). A pod
 /// with an unusable slot count is left out with a warning (once per pod and value). Returns when
 /// `tx` is closed, or at once (after sending the error) when no client can be built or the
 /// selector is empty.
 ///
 /// The client comes from the environment: in-cluster service-account config, else kubeconfig.
-pub async fn watch(sel: PodSelector, tx: mpsc::Sender<Result<Vec<HostSpec>, KubeDiscoveryError>>) {
+pub async fn watch(sel: PodSelector, tx: mpsc::Sender<Result<PodSet, KubeDiscoveryError>>) {
     match Client::try_default().await {
         Ok(client) => watch_with_client(client, sel, tx).await,
         Err(e) => {
@@ -228,7 +281,7 @@ pub async fn watch(sel: PodSelector, tx: mpsc::Sender<Result<Vec<HostSpec>, Kube
 pub async fn watch_with_client(
     client: Client,
     sel: PodSelector,
-    tx: mpsc::Sender<Result<Vec<HostSpec>, KubeDiscoveryError>>,
+    tx: mpsc::Sender<Result<PodSet, KubeDiscoveryError>>,
 ) {
     if sel.label_selector.trim().is_empty() {
         let _ = tx.send(Err(KubeDiscoveryError::EmptySelector)).await;
@@ -241,7 +294,7 @@ pub async fn watch_with_client(
     let cfg = watcher::Config::default().labels(&sel.label_selector);
     let mut events = watcher(api, cfg).default_backoff().boxed();
     let mut cache = PodCache::default();
-    let mut last_sent: Option<Vec<HostSpec>> = None;
+    let mut last_sent: Option<PodSet> = None;
     let mut warned = BTreeSet::new();
     loop {
         let step = tokio::select! {
@@ -268,14 +321,23 @@ pub async fn watch_with_client(
         if !cache.live() {
             continue;
         }
-        let PodHosts { hosts, skipped } = hosts_from_pods(cache.pods.values(), &sel);
+        let PodHosts {
+            hosts,
+            leaving,
+            skipped,
+        } = hosts_from_pods(cache.pods.values(), &sel);
         warn_skipped(&skipped, &mut warned);
-        if !listed && last_sent.as_ref() == Some(&hosts) {
+        let set = PodSet { hosts, leaving };
+        if !listed && last_sent.as_ref() == Some(&set) {
             continue;
         }
-        tracing::debug!(hosts = hosts.len(), "pod host set");
-        last_sent = Some(hosts.clone());
-        if tx.send(Ok(hosts)).await.is_err() {
+        tracing::debug!(
+            hosts = set.hosts.len(),
+            leaving = set.leaving.len(),
+            "pod host set"
+        );
+        last_sent = Some(set.clone());
+        if tx.send(Ok(set)).await.is_err() {
             return;
         }
     }
@@ -408,8 +470,29 @@ mod tests {
             pod("c", None, true),
             pod("d", Some("10.0.0.4"), true),
         ];
-        let hosts = hosts_from_pods(&pods, &sel()).hosts;
-        assert_eq!(hosts, vec![hs("10.0.0.4", 2)]);
+        let found = hosts_from_pods(&pods, &sel());
+        assert_eq!(found.hosts, vec![hs("10.0.0.4", 2)]);
+        assert_eq!(found.leaving.len(), 1, "{:?}", found.leaving);
+        assert_eq!(found.leaving[0].host, "10.0.0.2");
+    }
+
+    #[test]
+    fn a_deleting_pod_has_until_its_deletion_time_a_disrupted_one_an_unknown_time() {
+        let mut p = pod("b", Some("10.0.0.2"), true);
+        let at = k8s_openapi::jiff::Timestamp::from_second(1_795_000_030).unwrap();
+        p.metadata.deletion_timestamp = Some(Time(at));
+        let found = hosts_from_pods([&p], &sel());
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_000_000);
+        assert_eq!(found.leaving[0].within(now), Some(Duration::from_secs(30)));
+        assert_eq!(
+            found.leaving[0].within(now + Duration::from_secs(40)),
+            Some(Duration::ZERO),
+            "past its deadline"
+        );
+        // Not Ready any more: it is neither a host nor leaving one.
+        let mut p = deleting(pod("c", Some("10.0.0.3"), false));
+        p.metadata.name = Some("c".into());
+        assert!(hosts_from_pods([&p], &sel()).leaving.is_empty());
     }
 
     #[test]
@@ -427,9 +510,14 @@ mod tests {
             p
         };
         let pods = [pod("a", Some("10.0.0.1"), true), target("True")];
+        let found = hosts_from_pods(&pods, &sel());
+        assert_eq!(found.hosts, vec![hs("10.0.0.1", 2)]);
         assert_eq!(
-            hosts_from_pods(&pods, &sel()).hosts,
-            vec![hs("10.0.0.1", 2)]
+            found.leaving,
+            vec![LeavingPod {
+                host: "10.0.0.2".into(),
+                deadline: None
+            }]
         );
         let pods = [pod("a", Some("10.0.0.1"), true), target("False")];
         assert_eq!(
@@ -532,7 +620,7 @@ mod tests {
             .expect("the client is gone")
     }
 
-    type HostRx = mpsc::Receiver<Result<Vec<HostSpec>, KubeDiscoveryError>>;
+    type HostRx = mpsc::Receiver<Result<PodSet, KubeDiscoveryError>>;
 
     /// Starts [`watch_with_client`] on namespace `ml` against a mock API server.
     fn start_watch() -> (Handle, HostRx, tokio::task::JoinHandle<()>) {
@@ -544,12 +632,16 @@ mod tests {
         (handle, rx, tokio::spawn(watch_with_client(client, s, tx)))
     }
 
-    async fn recv(rx: &mut HostRx) -> Vec<HostSpec> {
+    async fn recv_set(rx: &mut HostRx) -> PodSet {
         tokio::time::timeout(Duration::from_secs(5), rx.recv())
             .await
             .expect("no host set sent")
             .expect("watch ended")
             .expect("watch sent an error")
+    }
+
+    async fn recv(rx: &mut HostRx) -> Vec<HostSpec> {
+        recv_set(rx).await.hosts
     }
 
     #[tokio::test]
@@ -588,7 +680,16 @@ mod tests {
         let line =
             serde_json::to_vec(&serde_json::json!({"type": "MODIFIED", "object": gone})).unwrap();
         send.send_response(Response::builder().body(Body::from(line)).unwrap());
-        assert_eq!(recv(&mut rx).await, vec![hs("10.0.0.1", 2)]);
+        let set = recv_set(&mut rx).await;
+        assert_eq!(set.hosts, vec![hs("10.0.0.1", 2)]);
+        assert_eq!(
+            set.leaving,
+            vec![LeavingPod {
+                host: "10.0.0.2".into(),
+                deadline: Some(SystemTime::UNIX_EPOCH),
+            }],
+            "the deleting pod's host has notice"
+        );
 
         task.abort();
     }

@@ -19,6 +19,16 @@ use support::{Job, check_counter, example, scratch, steps_rerun};
 
 const COUNTER: &[&str] = &["--steps", "250", "--commit-every", "5", "--step-ms", "10"];
 
+/// Pod discovery of the fake API server's `app=train` pods, 2 slots each unless annotated.
+const POD_DISCOVERY: &[&str] = &[
+    "--discovery",
+    "kubernetes",
+    "--selector",
+    "app=train",
+    "--slots",
+    "2",
+];
+
 /// A pod of namespace `ns1`; `ready` sets its Ready condition.
 fn pod(name: &str, ip: &str, ready: bool, slots: Option<&str>) -> Value {
     let mut p = json!({
@@ -184,21 +194,12 @@ fn ready_pods_are_the_hosts_and_a_pod_that_turns_unready_leaves_gracefully() {
     ]);
     let dir = scratch("kube");
     let config = kubeconfig(&dir, api.port);
-    let flags = &[
-        "-np",
-        "4",
-        "--min-np",
-        "2",
-        "--max-np",
-        "6",
-        "--discovery",
-        "kubernetes",
-        "--selector",
-        "app=train",
-        "--slots",
-        "2",
-    ];
-    let cmd = horovodrun(&dir, &config, flags);
+    let flags = [
+        &["-np", "4", "--min-np", "2", "--max-np", "6"],
+        POD_DISCOVERY,
+    ]
+    .concat();
+    let cmd = horovodrun(&dir, &config, &flags);
     let mut job = Job::spawn(dir, cmd);
     job.wait_step(20, 4);
     let hosts: Vec<String> = job.workers().into_iter().map(|w| w.2).collect();
@@ -240,6 +241,62 @@ fn ready_pods_are_the_hosts_and_a_pod_that_turns_unready_leaves_gracefully() {
         lists <= 2,
         "the pods were polled instead of watched: {:?}",
         api.requests()
+    );
+}
+
+/// A pod Kubernetes is about to take away (here a deletion timestamp 30 s ahead, as a drain or
+/// a spot preemption sets it before the kubelet's SIGTERM) is its host's notice: the driver
+/// names the source and the deadline, counts it, and drains the host without a rollback or a
+/// blacklisting.
+#[test]
+fn a_pod_about_to_be_deleted_gives_its_host_notice() {
+    let api = FakeApi::start(vec![
+        pod("w0", "127.0.0.2", true, None),
+        pod("w1", "127.0.0.3", true, None),
+    ]);
+    let dir = scratch("kube-notice");
+    let config = kubeconfig(&dir, api.port);
+    let flags = [
+        &["-np", "4", "--min-np", "2", "--status-port", "0"],
+        POD_DISCOVERY,
+    ]
+    .concat();
+    let cmd = horovodrun(&dir, &config, &flags);
+    let mut job = Job::spawn(dir, cmd);
+    let port = job.status_port();
+    job.wait_step(20, 4);
+    let mut leaving = pod("w1", "127.0.0.3", true, None);
+    leaving["metadata"]["deletionTimestamp"] = json!(support::rfc3339_in(Duration::from_secs(30)));
+    leaving["metadata"]["deletionGracePeriodSeconds"] = json!(30);
+    api.modify(leaving);
+    job.wait_step(1, 2);
+    let (_, metrics) = support::http_get(port, "GET", "/metrics");
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 250), 2);
+    assert_eq!(steps_rerun(&lines), 0, "a notice rolls nothing back");
+    let notice = err
+        .lines()
+        .find(|l| l.contains("host gave notice"))
+        .unwrap_or_else(|| panic!("no notice: {err}"));
+    assert!(
+        notice.contains("host=127.0.0.3") && notice.contains("source=kubernetes"),
+        "{notice}"
+    );
+    let deadline: f64 = notice
+        .split("deadline_s=")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_else(|| panic!("no deadline: {notice}"));
+    assert!((25.0..=31.0).contains(&deadline), "{notice}");
+    assert!(
+        !err.contains("host blacklisted") && !err.contains("worker failed"),
+        "{err}"
+    );
+    assert!(
+        metrics.contains("hvd_preemption_notices_total{source=\"kubernetes\"} 1"),
+        "{metrics}"
     );
 }
 

@@ -236,7 +236,7 @@ impl FakeCloud {
                             if r.starts_with("GET /latest/meta-data/spot/instance-action ")
                                 && noticed =>
                         {
-                            let at = httpdate_in(Duration::from_secs(120));
+                            let at = support::rfc3339_in(Duration::from_secs(120));
                             (
                                 200,
                                 "",
@@ -260,31 +260,6 @@ impl FakeCloud {
     fn preempt(&self, host: &str) {
         *self.preempted.lock().unwrap() = Some(host.to_string());
     }
-}
-
-/// Now plus `d` as AWS writes times: `2017-09-18T08:22:00Z`.
-fn httpdate_in(d: Duration) -> String {
-    let t = (std::time::SystemTime::now() + d)
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let (days, secs) = (t / 86_400, t % 86_400);
-    // Civil date from days since the epoch (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        secs / 3600,
-        secs / 60 % 60,
-        secs % 60
-    )
 }
 
 /// The counter's job with the notice checks every notice test makes: the host left at

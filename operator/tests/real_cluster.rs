@@ -207,7 +207,9 @@ async fn operator_creates_scales_replaces_and_cleans_up() {
         .unwrap();
 }
 
-type HostRx = mpsc::Receiver<Result<Vec<HostSpec>, hvd_discovery::kubernetes::KubeDiscoveryError>>;
+type HostRx = mpsc::Receiver<
+    Result<hvd_discovery::kubernetes::PodSet, hvd_discovery::kubernetes::KubeDiscoveryError>,
+>;
 
 /// The next host set from the watch, within 2 minutes.
 async fn next(rx: &mut HostRx) -> Vec<HostSpec> {
@@ -216,6 +218,7 @@ async fn next(rx: &mut HostRx) -> Vec<HostSpec> {
         .expect("no host set within 2 minutes")
         .expect("the watch ended")
         .expect("the watch failed")
+        .hosts
 }
 
 #[tokio::test]

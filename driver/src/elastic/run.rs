@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use hvd_discovery::kubernetes::{self, PodSelector};
 use hvd_discovery::{HostSpec, ScriptDiscovery};
-use hvd_rendezvous::{self as rv, DriverMsg, HostsUpdate, Placement};
+use hvd_rendezvous::{self as rv, DriverMsg, HostsUpdate, NoticeSource, Placement};
 use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
@@ -672,19 +672,31 @@ fn step_down(why: &str) -> ! {
     std::process::exit(75);
 }
 
-/// Forwards every host set (or failure) of a pod watch until the job ends.
+/// Forwards every host set (or failure) of a pod watch until the job ends; a pod Kubernetes is
+/// about to take away is its host's notice first (the core counts a host's first notice only).
 async fn watch_pods(sel: PodSelector, tx: mpsc::Sender<Input>, metrics: Metrics) {
     let (ktx, mut krx) = mpsc::channel(4);
     // Ends by itself once `krx` is dropped, when this task is aborted with the job.
     tokio::spawn(kubernetes::watch(sel, ktx));
     while let Some(result) = krx.recv().await {
         metrics.discovery_run(None, result.is_err());
-        let input = match result {
-            Ok(hosts) => Input::Discovered(hosts),
-            Err(e) => Input::DiscoveryFailed(e.to_string()),
-        };
-        if tx.send(input).await.is_err() {
-            return;
+        let mut inputs = Vec::new();
+        match result {
+            Ok(set) => {
+                let now = SystemTime::now();
+                inputs.extend(set.leaving.iter().map(|l| Input::Notice {
+                    host: l.host.clone(),
+                    source: NoticeSource::Kubernetes,
+                    within: l.within(now),
+                }));
+                inputs.push(Input::Discovered(set.hosts));
+            }
+            Err(e) => inputs.push(Input::DiscoveryFailed(e.to_string())),
+        }
+        for input in inputs {
+            if tx.send(input).await.is_err() {
+                return;
+            }
         }
     }
 }

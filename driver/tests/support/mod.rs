@@ -827,3 +827,29 @@ pub fn http_get(port: u16, method: &str, path: &str) -> (u16, String) {
         .expect("a status code");
     (code, body.to_string())
 }
+
+/// The UTC time `d` from now as RFC 3339 with whole seconds (`2026-11-28T19:41:05Z`): how AWS'
+/// metadata and Kubernetes write a time.
+pub fn rfc3339_in(d: Duration) -> String {
+    let t = (std::time::SystemTime::now() + d)
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let (days, secs) = (t / 86_400, t % 86_400);
+    // Civil date from days since the epoch (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
