@@ -45,6 +45,27 @@ struct Args {
     /// Only this rank is busy (default: every rank).
     #[arg(long, requires = "busy_at_step")]
     busy_rank: Option<usize>,
+    /// Run the collectives through the background engine, as the Python frameworks do: the
+    /// engine measures how late each rank is, and rank 0 reports it to the driver.
+    #[arg(long)]
+    engine: bool,
+}
+
+/// The background engine of one round: stopped when the round's training ends, however it
+/// ends, so that the elastic reset gets the communicator back.
+struct RoundEngine(Option<hvd::Engine>);
+
+impl Drop for RoundEngine {
+    fn drop(&mut self) {
+        if let Some(e) = self.0.take()
+            && let Err(e) = hvd::stop_engine(e)
+        {
+            let _ = writeln!(
+                std::io::stderr(),
+                "elastic_counter: stopping the engine: {e}"
+            );
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -99,6 +120,11 @@ fn main() -> anyhow::Result<()> {
         if calls > 1 {
             emit(&json!({"event": "reset", "step": state.step, "rank": rank, "size": size}));
         }
+        let _engine = RoundEngine(if args.engine {
+            Some(hvd::start_engine(hvd::engine_config()?)?)
+        } else {
+            None
+        });
         while state.step < args.steps {
             let mut ones = vec![1i64; 16];
             hvd::allreduce(&mut ones, ReduceOp::Sum)?;

@@ -8,6 +8,9 @@
 //! invariants hold (every rank agrees; no committed step lost, no step applied twice or to a
 //! state the job never had, both counted from the lines), the job exits 0, and none of its
 //! processes is left. A fault after which the job makes no progress for a minute is a hang.
+//! The counter runs its collectives on the background engine (`--engine`), which measures how
+//! late each rank is, and the driver runs `--straggler-policy evict`: none of the faults is a
+//! sustained slowdown, so a straggler reported or evicted is a false one and fails the run.
 //!
 //! `HVD_CHAOS_VERBOSE=1` prints each fault with the job's state when it was chosen.
 //!
@@ -175,6 +178,13 @@ struct Summary {
     orphans_gone: Vec<Duration>,
     /// Orphaned workers of killed agents.
     orphans: usize,
+    /// Stragglers the driver reported, and hosts it evicted as stragglers (the job runs with
+    /// `--straggler-policy evict` on the engine: there are none, so each is a false one).
+    stragglers: usize,
+    evictions: usize,
+    /// Whether the driver's `/status` showed the ranks' lateness at least once: the measure
+    /// was on.
+    lateness_seen: bool,
     elapsed: Duration,
 }
 
@@ -188,6 +198,9 @@ impl Summary {
         self.lost += s.lost;
         self.off_chain.extend(s.off_chain);
         self.hangs.extend(s.hangs);
+        self.stragglers += s.stragglers;
+        self.evictions += s.evictions;
+        self.lateness_seen |= s.lateness_seen;
         self.recoveries.extend(s.recoveries);
         self.no_reset += s.no_reset;
         self.orphans_gone.extend(s.orphans_gone);
@@ -207,6 +220,15 @@ impl Summary {
             self.hangs.is_empty(),
             "seed {seed}: hangs: {:#?}",
             self.hangs
+        );
+        assert!(
+            self.lateness_seen,
+            "seed {seed}: the ranks' lateness was never reported"
+        );
+        assert_eq!(
+            (self.stragglers, self.evictions),
+            (0, 0),
+            "seed {seed}: stragglers reported and evicted where none was slow"
         );
     }
 }
@@ -346,15 +368,28 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
         "2",
         "--reset-limit",
         "100000",
+        "--straggler-policy",
+        "evict",
+        "--status-port",
+        "0",
     ]);
     let mut job = Job::start_env(
         scratch(&format!("chaos-{seed}")),
         &first,
         &flags,
         "elastic_counter",
-        &["--steps", &steps, "--commit-every", "5", "--step-ms", "5"],
+        &[
+            "--steps",
+            &steps,
+            "--commit-every",
+            "5",
+            "--step-ms",
+            "5",
+            "--engine",
+        ],
         &env,
     );
+    let status = job.status_port();
     if let Some(f) = &fleet {
         job.parents = f.pids();
     }
@@ -443,6 +478,11 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
                  {busy:?}, {} workers",
                 workers.len()
             );
+        }
+        if !summary.lateness_seen {
+            let (_, body) = support::http_get(status, "GET", "/status");
+            summary.lateness_seen = serde_json::from_str::<serde_json::Value>(&body)
+                .is_ok_and(|v| v["lateness"].as_array().is_some_and(|l| !l.is_empty()));
         }
         let failures = job.stderr_count(FAILED);
         let t0 = Instant::now();
@@ -582,6 +622,8 @@ fn chaos(seed: u64, faults: usize, launch: Launch) -> Summary {
         tail(&err)
     );
     check_counter(&all, steps.parse().unwrap());
+    summary.stragglers = err.matches("straggler: this rank's step takes").count();
+    summary.evictions = err.matches("straggler's host evicted").count();
     summary.resets = all.iter().filter(|l| l.v["event"] == "reset").count();
     summary.rerun = steps_rerun(&all);
     summary.lost = committed_steps_lost(&all);
@@ -616,7 +658,8 @@ fn report(what: &str, s: &Summary) {
          committed steps lost: {}; steps applied twice or to a state the job never had: {}; \
          hangs (no progress within {HANG:?} of a fault): {}; orphaned workers of killed \
          agents: {} (gone within {:?} of the kill at most); recovery p50 {:?} p95 {:?} over \
-         {} kills ({} more trained on without a reset); {:?} in all",
+         {} kills ({} more trained on without a reset); stragglers reported {}, evicted {} \
+         (lateness measured: {}); {:?} in all",
         s.faults.values().sum::<usize>(),
         s.faults,
         s.resets,
@@ -630,6 +673,9 @@ fn report(what: &str, s: &Summary) {
         percentile(&s.recoveries, 0.95),
         s.recoveries.len(),
         s.no_reset,
+        s.stragglers,
+        s.evictions,
+        s.lateness_seen,
         s.elapsed
     );
 }
