@@ -20,11 +20,14 @@
 //!   the active driver → every worker adopted by the standby (the target is the lease's TTL
 //!   + 1 s), and the longest gap between two steps meanwhile (the training pause);
 //! - store: the rebuild pause at `--store-size` workers with the state store on, next to the
-//!   same job without it, in alternating runs.
+//!   same job without it, in alternating runs;
+//! - notice: 4 workers on 2 hosts; SIGTERM to one worker (its host gives notice) → the first
+//!   step at size 2, and the training pause (the longest gap between two steps around it),
+//!   next to the same host leaving discovery (a scale-down), in alternating runs.
 //!
 //! The last two start their own etcd (Debian's `etcd-server`, installed when missing) on free
 //! loopback ports. Every figure is the median over `--runs` jobs; the counter steps every
-//! 10 ms. `--figures` picks some of them (`recovery,scale-up,rebuild,frozen,failover,store`;
+//! 10 ms. `--figures` picks some of them (`recovery,scale-up,rebuild,frozen,failover,store,notice`;
 //! the default leaves out the two that need etcd). `--program` runs another counter
 //! that prints the same lines and takes the same flags, such as the PyTorch one:
 //! `--program "python python/tests/elastic_train.py --state-model resnet18"`.
@@ -89,6 +92,7 @@ enum Figure {
     Frozen,
     Failover,
     Store,
+    Notice,
 }
 
 /// A job's state store: its etcd URL and the fixed rendezvous port a standby reuses.
@@ -321,6 +325,27 @@ impl Job {
             .max()
     }
 
+    /// The training pause before `first`, the first step at a new size (seen at `t1`): from the
+    /// last step at `old` size, by the counter's own stamps where it gives them (relayed from
+    /// spool files, as under a state store, lines arrive in batches).
+    fn pause(&self, old: usize, t1: Instant, first: &Value) -> anyhow::Result<f64> {
+        if let Some(at) = first["at_ms"].as_u64() {
+            let last = self
+                .seen
+                .iter()
+                .filter(|l| l.v["event"] == "step" && l.v["size"] == old)
+                .filter_map(|l| l.v["at_ms"].as_u64())
+                .filter(|&t| t <= at)
+                .max()
+                .context("no step at the old size")?;
+            return Ok((at - last) as f64 / 1000.0);
+        }
+        let last = self
+            .last_step_before(old, t1)
+            .context("no step at the old size")?;
+        Ok((t1 - last).as_secs_f64())
+    }
+
     fn set_hosts(&self, hosts: &[String]) -> anyhow::Result<()> {
         let tmp = self.dir.join("hosts.tmp");
         std::fs::write(&tmp, hosts.join("\n") + "\n")?;
@@ -477,23 +502,31 @@ fn rebuild(run: usize, n: usize, b: &Args, store: Option<&StoreOpts>) -> anyhow:
     let t0 = Instant::now();
     job.set_hosts(&hosts(2, n, 1))?;
     let (t1, first) = job.step_at(n, t0)?;
-    // The counter's own stamps when it gives them: relayed from spool files (a job with a
-    // state store), lines arrive in batches.
-    if let Some(at) = first["at_ms"].as_u64() {
-        let last = job
-            .seen
-            .iter()
-            .filter(|l| l.v["event"] == "step" && l.v["size"] == n - 1)
-            .filter_map(|l| l.v["at_ms"].as_u64())
-            .filter(|&t| t <= at)
-            .max()
-            .context("no step at the old size")?;
-        return Ok((at - last) as f64 / 1000.0);
+    job.pause(n - 1, t1, &first)
+}
+
+/// One host leaving a job of 4 workers on 2 hosts: a worker of 127.0.0.3 gets a SIGTERM (its
+/// host gives notice) or, without `notice`, 127.0.0.3 leaves discovery. Seconds from then to
+/// the first step at size 2, and the training pause.
+fn leave(run: usize, notice: bool, b: &Args) -> anyhow::Result<(f64, f64)> {
+    let name = format!("leave{run}-{}", if notice { "notice" } else { "discovery" });
+    let mut job = Job::start(&name, &hosts(2, 2, 2), 4, 4, b, None)?;
+    job.step_at(4, Instant::now())?;
+    thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    if notice {
+        let pid = job
+            .worker_on("127.0.0.3")
+            .context("no worker on 127.0.0.3")?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
+    } else {
+        job.set_hosts(&hosts(2, 1, 2))?;
     }
-    let last = job
-        .last_step_before(n - 1, t1)
-        .context("no step at the old size")?;
-    Ok((t1 - last).as_secs_f64())
+    let (t1, first) = job.step_at(2, t0)?;
+    Ok(((t1 - t0).as_secs_f64(), job.pause(4, t1, &first)?))
 }
 
 /// The failover figures of one run: SIGKILL of the active driver → every worker adopted by
@@ -627,6 +660,9 @@ fn main() -> anyhow::Result<()> {
             }
         );
     }
+    if want(Figure::Notice) {
+        leaves(&args)?;
+    }
     if want(Figure::Failover) || want(Figure::Store) {
         // On disk, as a deployment's etcd keeps its data.
         let e = etcd::Etcd::start_in(&std::env::temp_dir());
@@ -691,6 +727,37 @@ fn store_cost(args: &Args, e: &etcd::Etcd) -> anyhow::Result<()> {
         "rebuild pause at {n} workers, state store on:  {m_on:.3} s  [{}]  ({:+.1} ms)",
         fmt(&on),
         (m_on - m_off) * 1000.0
+    );
+    Ok(())
+}
+
+/// A host's notice next to the same host leaving discovery, in alternating runs: the time to
+/// the first step without it (from the notice; from the discovery change) and the pauses.
+fn leaves(args: &Args) -> anyhow::Result<()> {
+    let (mut notice, mut gone) = (Vec::new(), Vec::new());
+    for r in 0..args.runs {
+        notice.push(leave(r, true, args)?);
+        gone.push(leave(r, false, args)?);
+    }
+    let (n_out, n_pause): (Vec<f64>, Vec<f64>) = notice.into_iter().unzip();
+    let (g_out, g_pause): (Vec<f64>, Vec<f64>) = gone.into_iter().unzip();
+    println!(
+        "notice (SIGTERM 1 of 4 -> first step at size 2): {:.3} s  [{}]",
+        median(n_out.clone()),
+        fmt(&n_out)
+    );
+    println!(
+        "scale-down (its host leaves discovery -> first step at size 2): {:.3} s  [{}]",
+        median(g_out.clone()),
+        fmt(&g_out)
+    );
+    let (np, gp) = (median(n_pause.clone()), median(g_pause.clone()));
+    println!(
+        "training pause: notice {np:.3} s  [{}]; scale-down {gp:.3} s  [{}]; notice / scale-down \
+         {:.2}",
+        fmt(&n_pause),
+        fmt(&g_pause),
+        np / gp
     );
     Ok(())
 }

@@ -440,7 +440,6 @@ mod tests {
             blacklisted: vec![("c".into(), None)],
             resets,
             noticed: vec![],
-            rounds: vec![],
         }
     }
 

@@ -4,6 +4,7 @@
 //! `GET /`, a page a person reads (`status_page.html`: no external assets), which draws that
 //! same JSON and refreshes it every 2 s. [`router`] builds it; `hvd-serve` serves it.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
@@ -16,7 +17,7 @@ use hvd_serve::status::{
 };
 use tokio::sync::watch;
 
-use crate::elastic::core::{JobPhase, Snapshot};
+use crate::elastic::core::{JobPhase, Round, Snapshot};
 use crate::log_tail;
 use crate::metrics::Metrics;
 
@@ -36,6 +37,8 @@ pub struct Published {
     pub epoch: SystemTime,
     /// How much each rank of the current round holds the others up, as rank 0 last reported.
     pub lateness: Vec<RankLateness>,
+    /// The core's last rounds (shared: they change only when a round completes).
+    pub rounds: Arc<[Round]>,
 }
 
 /// The phase `/status` and the metrics' `phase` label report for the core's `p`.
@@ -78,7 +81,7 @@ pub fn document(p: &Published, log: Vec<String>) -> DriverStatus {
             })
             .collect(),
         resets: s.resets,
-        rounds: s
+        rounds: p
             .rounds
             .iter()
             .map(|r| StatusRound {
@@ -166,7 +169,7 @@ mod tests {
     use tower::ServiceExt;
 
     use super::*;
-    use crate::elastic::core::{CauseKind, ResetCause, Round};
+    use crate::elastic::core::{CauseKind, ResetCause};
 
     fn published() -> Published {
         Published {
@@ -178,10 +181,10 @@ mod tests {
                 blacklisted: vec![],
                 resets: 0,
                 noticed: vec![],
-                rounds: vec![],
             },
             epoch: UNIX_EPOCH,
             lateness: vec![],
+            rounds: Arc::new([]),
         }
     }
 
@@ -260,24 +263,6 @@ mod tests {
                     hvd_rendezvous::NoticeSource::Aws,
                     Duration::from_secs(180),
                 )],
-                rounds: vec![
-                    Round {
-                        generation: 2,
-                        at: Duration::from_millis(250),
-                        size: 4,
-                        causes: vec![],
-                    },
-                    Round {
-                        generation: 3,
-                        at: Duration::from_millis(900),
-                        size: 2,
-                        causes: vec![ResetCause {
-                            kind: CauseKind::Frozen,
-                            host: "10.0.0.2".into(),
-                            detail: "stopped answering".into(),
-                        }],
-                    },
-                ],
             },
             epoch: UNIX_EPOCH + Duration::from_secs(1000),
             lateness: vec![RankLateness {
@@ -286,6 +271,24 @@ mod tests {
                 seconds: 0.5,
                 factor: 2.0,
             }],
+            rounds: Arc::new([
+                Round {
+                    generation: 2,
+                    at: Duration::from_millis(250),
+                    size: 4,
+                    causes: vec![],
+                },
+                Round {
+                    generation: 3,
+                    at: Duration::from_millis(900),
+                    size: 2,
+                    causes: vec![ResetCause {
+                        kind: CauseKind::Frozen,
+                        host: "10.0.0.2".into(),
+                        detail: "stopped answering".into(),
+                    }],
+                },
+            ]),
         };
         let v: serde_json::Value =
             serde_json::from_str(&render(&document(&p, vec!["a line".into()]))).unwrap();

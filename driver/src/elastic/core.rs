@@ -238,8 +238,6 @@ pub struct Snapshot {
     pub resets: u64,
     /// Hosts kept out after a notice: name, who gave it, and when it is over.
     pub noticed: Vec<(String, NoticeSource, Duration)>,
-    /// The last [`ROUNDS_KEPT`] completed rounds, oldest first.
-    pub rounds: Vec<Round>,
 }
 
 /// A completed round, as the status page draws the job's history.
@@ -516,8 +514,13 @@ impl Core {
             blacklisted,
             resets: self.resets as u64,
             noticed,
-            rounds: self.rounds.iter().cloned().collect(),
         }
+    }
+
+    /// The last [`ROUNDS_KEPT`] completed rounds, oldest first: they change only when a round
+    /// completes.
+    pub fn rounds(&self) -> &VecDeque<Round> {
+        &self.rounds
     }
 
     /// The earliest time at which [`Input::Tick`] may change something.
@@ -1752,13 +1755,16 @@ mod tests {
                 blacklisted: vec![],
                 resets: 0,
                 noticed: vec![],
-                rounds: vec![Round {
-                    generation: 1,
-                    at: secs(1),
-                    size: 4,
-                    causes: vec![],
-                }],
             }
+        );
+        assert_eq!(
+            core.rounds().iter().collect::<Vec<_>>(),
+            [&Round {
+                generation: 1,
+                at: secs(1),
+                size: 4,
+                causes: vec![],
+            }]
         );
         let a = core.handle(
             secs(5),
@@ -1789,7 +1795,7 @@ mod tests {
         );
         assert_eq!(s.hosts, vec![("a".into(), 2)]);
         assert_eq!(
-            s.rounds[1],
+            core.rounds()[1],
             Round {
                 generation: 2,
                 at: secs(6),

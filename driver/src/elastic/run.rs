@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior, sleep_until};
 
 use super::control::{Control, StoreSpec};
-use super::core::{Action, Config, Core, ExitInfo, Input, WorkerId};
+use super::core::{Action, Config, Core, ExitInfo, Input, Round, WorkerId};
 use crate::hosts;
 use crate::launch::{Ended, Exit, Handle, LaunchMode, Launcher, new_secret, stop_workers};
 use crate::liveness::{self, Heartbeats, StragglerPolicy, Stragglers};
@@ -156,6 +156,8 @@ struct Driver {
     evicted_at: Option<Instant>,
     /// Rank 0's last lateness report, for the status page, and the round it is of.
     lateness: (u64, Vec<RankLateness>),
+    /// The core's rounds as last published, and the round they end with.
+    rounds: (u64, Arc<[Round]>),
 }
 
 impl Driver {
@@ -803,6 +805,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         snapshot: core.snapshot(Duration::ZERO),
         epoch,
         lateness: Vec::new(),
+        rounds: core.rounds().iter().cloned().collect(),
     });
     let observer = Observer::new(metrics.clone(), t0.elapsed(), &core.snapshot(t0.elapsed()));
     let (stop_status, status_stopped) = tokio::sync::oneshot::channel::<()>();
@@ -874,6 +877,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         stragglers,
         evicted_at: None,
         lateness: (0, Vec::new()),
+        rounds: (0, Arc::new([])),
     };
     if record.is_some() {
         // Every live worker of the predecessor gets the heartbeat timeout to reconnect (they
@@ -963,10 +967,17 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
             (g, ranks) if *g == snapshot.generation => ranks.clone(),
             _ => Vec::new(),
         };
+        if d.rounds.0 != snapshot.generation {
+            d.rounds = (
+                snapshot.generation,
+                d.core.rounds().iter().cloned().collect(),
+            );
+        }
         status_tx.send_replace(Published {
             snapshot,
             epoch,
             lateness,
+            rounds: Arc::clone(&d.rounds.1),
         });
         if let Some(c) = &control {
             c.publish(&d.core);

@@ -1672,8 +1672,7 @@ impl Sim {
         let distinct: BTreeSet<WorkerId> = members.iter().copied().collect();
         ensure!(self, distinct.len() == n, "round {g} lists a worker twice");
         // The status page's history: every round recorded, every reset with what caused it.
-        let snap = self.core.snapshot(self.now);
-        let last = snap.rounds.last();
+        let last = self.core.rounds().back();
         ensure!(
             self,
             last.is_some_and(|r| r.generation == g && r.size == n && r.at == self.now),
