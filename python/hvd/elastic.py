@@ -20,6 +20,8 @@ A framework's state says only how its objects are saved, restored and broadcast
 
 import copy
 import functools
+import math
+import random
 import sys
 
 from hvd import _hvd
@@ -172,6 +174,64 @@ class ObjectState(State):
                 v.load_state_dict(v.state_dict())
 
 
+class ElasticSampler:
+    """Splits a dataset's indices (``dataset`` is anything with a length) over the current
+    ranks so that, across resizes, no sample of an epoch is repeated and none skipped: keep
+    it in the elastic state, and record each batch as it is processed. Any framework's: an
+    iterable of this rank's indices (``hvd.torch.elastic.ElasticSampler`` is also a PyTorch
+    ``Sampler``)."""
+
+    def __init__(self, dataset, shuffle=True, seed=0):
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_num = 0
+        self.reset()
+
+    def set_epoch(self, epoch):
+        """Starts epoch ``epoch``: nothing of it processed yet."""
+        self.epoch = epoch
+        self.processed_num = 0
+        self.reset()
+
+    def record_batch(self, batch_idx, batch_size):
+        """Counts a batch of ``batch_size`` per rank as processed by every rank."""
+        self.processed_num += batch_size * self.num_replicas
+
+    def record_indices(self, indices):
+        """Counts ``indices`` (this rank's) as processed, for every rank."""
+        self.processed_num += len(indices) * self.num_replicas
+
+    def reset(self):
+        """Re-reads the world (after a membership change) and splits what is left of the
+        epoch over it."""
+        self.num_replicas = _hvd.topology()[1]
+        self.rank = _hvd.topology()[0]
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        self.remaining = order[self.processed_num:]
+        self.num_samples = int(math.ceil(len(self.remaining) / self.num_replicas))
+        total = self.num_samples * self.num_replicas
+        padded = self.remaining + self.remaining[:total - len(self.remaining)]
+        self.indices = padded[self.rank:total:self.num_replicas]
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+        self.processed_num = state["processed_num"]
+        self.reset()
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self):
+        return self.num_samples
+
+
 def run(func):
     """Decorates ``func(state, *args, **kwargs)`` to run elastically: the state is
     synchronized before every call; on a peer failure every rank restores its last commit,
@@ -228,5 +288,5 @@ def run(func):
     return wrapper
 
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",
-           "register_error_translator", "run"]
+__all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState",
+           "State", "register_error_translator", "run"]

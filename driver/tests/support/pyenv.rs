@@ -69,7 +69,7 @@ fn set_up() -> Result<PathBuf, String> {
         && Command::new(&python)
             .args([
                 "-c",
-                "import torch, torchvision, numpy, maturin, packaging, cloudpickle, tensorflow, keras, tf_keras",
+                "import torch, torchvision, numpy, maturin, packaging, cloudpickle, tensorflow, keras, tf_keras, jax, optax, flax.linen",
             ])
             .output()
             .is_ok_and(|o| o.status.success());

@@ -5,11 +5,10 @@ saved, restored and broadcast.
 """
 
 import copy
-import math
-import random
 
 import torch
 
+from hvd import elastic as _elastic
 from hvd.elastic import (HorovodInternalError, HostsUpdatedInterrupt, ObjectState,  # noqa: F401
                          State, run)
 from hvd import _hvd
@@ -293,58 +292,6 @@ class TorchState(ObjectState):
             self._apply(snapshot)
 
 
-class ElasticSampler(torch.utils.data.Sampler):
-    """Splits a dataset's indices over the current ranks so that, across resizes, no sample
-    of an epoch is repeated and none skipped: keep it in the ``TorchState``, and record each
-    batch as it is processed."""
-
-    def __init__(self, dataset, shuffle=True, seed=0):
-        self.dataset = dataset
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
-        self.processed_num = 0
-        self.reset()
-
-    def set_epoch(self, epoch):
-        """Starts epoch ``epoch``: nothing of it processed yet."""
-        self.epoch = epoch
-        self.processed_num = 0
-        self.reset()
-
-    def record_batch(self, batch_idx, batch_size):
-        """Counts a batch of ``batch_size`` per rank as processed by every rank."""
-        self.processed_num += batch_size * self.num_replicas
-
-    def record_indices(self, indices):
-        """Counts ``indices`` (this rank's) as processed, for every rank."""
-        self.processed_num += len(indices) * self.num_replicas
-
-    def reset(self):
-        """Re-reads the world (after a membership change) and splits what is left of the
-        epoch over it."""
-        self.num_replicas = _ops.size()
-        self.rank = _ops.rank()
-        order = list(range(len(self.dataset)))
-        if self.shuffle:
-            random.Random(self.seed + self.epoch).shuffle(order)
-        self.remaining = order[self.processed_num:]
-        self.num_samples = int(math.ceil(len(self.remaining) / self.num_replicas))
-        total = self.num_samples * self.num_replicas
-        padded = self.remaining + self.remaining[:total - len(self.remaining)]
-        self.indices = padded[self.rank:total:self.num_replicas]
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "processed_num": self.processed_num}
-
-    def load_state_dict(self, state):
-        self.epoch = state["epoch"]
-        self.processed_num = state["processed_num"]
-        self.reset()
-
-    def __iter__(self):
-        return iter(self.indices)
-
-    def __len__(self):
-        return self.num_samples
+class ElasticSampler(_elastic.ElasticSampler, torch.utils.data.Sampler):
+    """``hvd.elastic.ElasticSampler`` as a PyTorch ``Sampler``, for a ``DataLoader``."""
 

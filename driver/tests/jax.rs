@@ -1,0 +1,68 @@
+//! `hvd.jax` end to end, with real JAX (CPU), optax and Flax from the test virtualenv of
+//! `support::pyenv`: `python/tests/jax_api.py` under `horovodrun` at 1, 2 and 3 ranks (every
+//! collective on arrays and pytrees, eager and inside `jax.jit`, the gradient of an
+//! allreduce, `DistributedOptimizer` on optax, `broadcast_parameters`, and the refusals every
+//! rank raises instead of waiting), and `examples/python/jax_elastic.py` (a Flax model, optax,
+//! `JaxState`, `ElasticSampler`) through a SIGKILLed worker and hosts added and removed.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test that cannot set up fails loudly
+
+mod support;
+
+use nix::sys::signal::Signal;
+use support::pyenv::{elastic_script, passes_on};
+use support::signal;
+
+#[test]
+fn the_jax_api_matches_its_references_on_1_2_and_3_ranks() {
+    passes_on("jax_api.py", "jax", &[1, 2, 3]);
+}
+
+/// The elastic example loses a worker to SIGKILL in its first epoch, gains a host, then
+/// loses one gracefully: every epoch trained every sample, every rank ended each epoch with
+/// the same parameters, and the model learnt.
+#[test]
+fn the_elastic_jax_example_trains_every_sample_through_a_kill_and_host_changes() {
+    let mut job = elastic_script(
+        "jax-elastic",
+        &["127.0.0.2:2", "127.0.0.3:2"],
+        &["-np", "4", "--min-np", "2", "--max-np", "4"],
+        "examples/python/jax_elastic.py",
+        &["--epochs", "5", "--batch-ms", "60"],
+    );
+    job.wait_for("the first step's epoch at size 4", |l| {
+        l.v["event"] == "epoch" && l.v["size"] == 4
+    });
+    let victim = job
+        .workers()
+        .into_iter()
+        .find(|w| w.2 == "127.0.0.3")
+        .expect("a worker on 127.0.0.3")
+        .0;
+    signal(victim, Signal::SIGKILL);
+    job.wait_for("an epoch at size 2", |l| {
+        l.v["event"] == "epoch" && l.v["size"] == 2
+    });
+    job.set_hosts(&["127.0.0.2:2", "127.0.0.4:2"]);
+    job.wait_for("an epoch at size 4 again", |l| {
+        l.v["event"] == "epoch" && l.v["size"] == 4 && l.v["epoch"].as_u64() > Some(1)
+    });
+    job.set_hosts(&["127.0.0.2:2"]);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    let epochs: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|l| l.v["event"] == "epoch")
+        .map(|l| &l.v)
+        .collect();
+    assert_eq!(epochs.len(), 5, "{epochs:?}");
+    for e in &epochs {
+        assert_eq!(e["missing"], 0, "{e}");
+        assert_eq!(e["params_spread"], 0.0, "{e}");
+        assert!(e["accuracy"].as_f64().is_some_and(|a| a > 0.9), "{e}");
+    }
+    assert!(
+        err.contains("worker failed") && err.contains("host left discovery"),
+        "{err}"
+    );
+}
