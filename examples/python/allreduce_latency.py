@@ -4,6 +4,8 @@
     horovodrun -np 2 -H 127.0.0.1:2 python examples/python/allreduce_latency.py
     horovodrun -np 2 -H 127.0.0.1:2 python examples/python/allreduce_latency.py \\
         --framework tensorflow
+    horovodrun -np 2 -H 127.0.0.1:2 python examples/python/allreduce_latency.py \\
+        --framework jax
     horovodrun -np 2 -H 127.0.0.1:2 target/release/examples/allreduce_bench \\
         --min-bytes 4 --max-bytes 4 --iters 2000
 
@@ -13,7 +15,9 @@ call: PyTorch's in-place ``hvd.allreduce_``, or with ``--framework tensorflow``
 ``hvd.tensorflow.allreduce`` of an eager tensor, the same inside a ``tf.function``, a
 ``tf.function`` of ``tf.identity`` alone (TensorFlow's own cost of the call), and what one
 allreduce adds inside a ``tf.function`` of ``--chain`` of them, beyond that call (the
-difference of sorted samples, divided by the chain).
+difference of sorted samples, divided by the chain); with ``--framework jax`` the same for
+``hvd.jax.allreduce`` of a ``jax.Array``, eager and inside ``jax.jit`` (an ordered host
+callback), beside a jitted identity.
 """
 
 import argparse
@@ -111,19 +115,69 @@ def tensorflow_latency(args):
     hvd.shutdown()
 
 
+def jax_latency(args):
+    import jax
+    import jax.numpy as jnp
+
+    import hvd.jax as hvd
+
+    hvd.init()
+    n = hvd.size()
+    x = jnp.ones([args.elements], dtype=jnp.float32)
+
+    def check_sum(want):
+        def check(out):
+            got = float(out[0])
+            if got != want:
+                raise SystemExit(f"allreduce gave {got}, not {want}, in a world of {n}")
+        return check
+
+    def ready(out):
+        return out.block_until_ready()
+
+    in_jit = jax.jit(lambda t: hvd.allreduce(t, op=hvd.Sum))
+
+    @jax.jit
+    def chained(t):
+        for _ in range(args.chain):
+            t = hvd.allreduce(t, op=hvd.Average)
+        return t
+
+    identity = jax.jit(lambda t: t + 0)
+    eager = timed(lambda: None, lambda: ready(hvd.allreduce(x, op=hvd.Sum)), check_sum(n),
+                  args.iters, args.warmup)
+    one = timed(lambda: None, lambda: ready(in_jit(x)), check_sum(n), args.iters,
+                args.warmup)
+    call = timed(lambda: None, lambda: ready(identity(x)), check_sum(1), args.iters,
+                 args.warmup)
+    many = timed(lambda: None, lambda: ready(chained(x)), check_sum(1), args.iters // 10,
+                 args.warmup // 10)
+    if hvd.rank() == 0:
+        report("hvd.jax.allreduce (eager)", args.elements, n, eager)
+        report("hvd.jax.allreduce (jax.jit)", args.elements, n, one)
+        report("jax.jit(identity) without hvd", args.elements, n, call)
+        calls = sorted(call)[::10][:len(many)]
+        beyond = [(m - c) / args.chain for m, c in zip(sorted(many), calls)]
+        report(f"hvd.jax.allreduce in a jax.jit of {args.chain}, each, beyond the call",
+               args.elements, n, beyond)
+    hvd.shutdown()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--elements", type=int, default=1)
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--framework", choices=["torch", "tensorflow"], default="torch")
+    p.add_argument("--framework", choices=["torch", "tensorflow", "jax"], default="torch")
     p.add_argument("--chain", type=int, default=100,
                    help="allreduces in one tf.function, to time one beyond the call")
     args = p.parse_args()
     if args.framework == "torch":
         torch_latency(args)
-    else:
+    elif args.framework == "tensorflow":
         tensorflow_latency(args)
+    else:
+        jax_latency(args)
 
 
 if __name__ == "__main__":
