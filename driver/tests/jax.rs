@@ -9,13 +9,50 @@
 
 mod support;
 
+use std::process::Command;
+
 use nix::sys::signal::Signal;
-use support::pyenv::{elastic_script, passes_on};
+use support::pyenv::{elastic_script, passes_on, python, root};
 use support::signal;
 
 #[test]
 fn the_jax_api_matches_its_references_on_1_2_and_3_ranks() {
     passes_on("jax_api.py", "jax", &[1, 2, 3]);
+}
+
+/// The latency example's JAX mode: a 4-byte allreduce eager, inside `jax.jit`, and a chain of
+/// them in one jit, each checked on every rank and reported.
+#[test]
+fn the_latency_example_reports_jax_calls_eager_and_jitted() {
+    let out = Command::new(env!("CARGO_BIN_EXE_horovodrun"))
+        .args(["-np", "2", "-H", "127.0.0.1:2"])
+        .arg(python())
+        .arg(root().join("examples/python/allreduce_latency.py"))
+        .args([
+            "--framework",
+            "jax",
+            "--iters",
+            "50",
+            "--warmup",
+            "10",
+            "--chain",
+            "5",
+        ])
+        .output()
+        .expect("horovodrun");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for what in [
+        "hvd.jax.allreduce (eager) of 4 B from Python on 2 ranks: mean ",
+        "hvd.jax.allreduce (jax.jit) of 4 B from Python on 2 ranks: mean ",
+        "hvd.jax.allreduce in a jax.jit of 5, each, beyond the call of 4 B",
+    ] {
+        assert!(text.contains(what), "{what}: {text}");
+    }
 }
 
 /// The elastic example loses a worker to SIGKILL in its first epoch, gains a host, then
