@@ -76,8 +76,12 @@ def _host(x, what):
     return a if a.flags.c_contiguous else _np.ascontiguousarray(a)
 
 
+# numpy's ``dtype.name`` builds its string on every call (3 us with ml_dtypes loaded).
+_NAME_OF = {_np.dtype(jnp.dtype(n)): n for n in _REDUCIBLE}
+
+
 def _dtype_name(array):
-    return array.dtype.name
+    return _NAME_OF.get(array.dtype) or array.dtype.name
 
 
 def _reducible(array, what, op):
