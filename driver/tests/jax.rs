@@ -13,7 +13,7 @@ use std::process::Command;
 
 use nix::sys::signal::Signal;
 use support::pyenv::{elastic_script, passes_on, python, root};
-use support::signal;
+use support::{check_counter, signal};
 
 #[test]
 fn the_jax_api_matches_its_references_on_1_2_and_3_ranks() {
@@ -102,4 +102,28 @@ fn the_elastic_jax_example_trains_every_sample_through_a_kill_and_host_changes()
         err.contains("worker failed") && err.contains("host left discovery"),
         "{err}"
     );
+}
+
+/// The JAX counter (`python/tests/jax_elastic_train.py`: a `JaxState`, a jitted optax step
+/// through `DistributedOptimizer`) loses a worker to SIGKILL: every committed step applied
+/// once, and the weight the optimizer moved equals the steps on every rank.
+#[test]
+fn the_jax_counter_loses_no_committed_step_to_a_killed_worker() {
+    let mut job = elastic_script(
+        "jax-counter",
+        &["127.0.0.2:2", "127.0.0.3:2"],
+        &["-np", "4", "--min-np", "2"],
+        "python/tests/jax_elastic_train.py",
+        &["--steps", "150", "--commit-every", "5", "--step-ms", "20"],
+    );
+    job.wait_step(15, 4);
+    let victim = job.pids_on("127.0.0.3")[0];
+    signal(victim, Signal::SIGKILL);
+    job.wait_step(1, 2);
+    let (code, err, lines) = job.finish();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(check_counter(&lines, 150), 2);
+    for l in lines.iter().filter(|l| l.v["event"] == "done") {
+        assert_eq!(l.v["weight"], -150.0, "{}", l.v);
+    }
 }
