@@ -2,11 +2,12 @@
 ``jax.jit``.
 
 Eager, an array reaches the native module without a copy: a CPU ``jax.Array`` lends its
-buffer as a read-only numpy view. A reduction's result is written into a new aligned buffer
-(the one copy left: JAX arrays are immutable, so the input is copied into the output and
-reduced there in place), which JAX takes over through DLPack without a copy. A pytree is
-reduced as one fused op of the background engine: every leaf is submitted before any is
-waited for.
+buffer (through DLPack, or as a read-only numpy view). A reduction's result is written into a
+new aligned buffer (the one copy left: JAX arrays are immutable, so the input is copied into
+the output and reduced there in place), which jaxlib takes over through DLPack without a
+copy. The common call, one CPU array of the whole job, is one native call from DLPack to
+DLPack. A pytree is reduced as one fused op of the background engine: every leaf is
+submitted before any is waited for.
 
 Inside ``jax.jit`` a collective is an ordered ``io_callback``: the compiled step calls back
 into Python on the host, in program order on every rank, and the callback runs the eager
