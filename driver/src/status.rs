@@ -35,8 +35,9 @@ pub struct Published {
     pub snapshot: Snapshot,
     /// The wall-clock time the core's clock started at.
     pub epoch: SystemTime,
-    /// How much each rank of the current round holds the others up, as rank 0 last reported.
-    pub lateness: Vec<RankLateness>,
+    /// How much each rank of the current round holds the others up, as rank 0 last reported
+    /// (shared: it changes about once a second).
+    pub lateness: Arc<[RankLateness]>,
     /// The core's last rounds (shared: they change only when a round completes).
     pub rounds: Arc<[Round]>,
 }
@@ -100,7 +101,7 @@ pub fn document(p: &Published, log: Vec<String>) -> DriverStatus {
                 until_ms: unix_ms(*until),
             })
             .collect(),
-        lateness: p.lateness.clone(),
+        lateness: p.lateness.to_vec(),
         log,
     }
 }
@@ -183,7 +184,7 @@ mod tests {
                 noticed: vec![],
             },
             epoch: UNIX_EPOCH,
-            lateness: vec![],
+            lateness: Arc::new([]),
             rounds: Arc::new([]),
         }
     }
@@ -265,12 +266,12 @@ mod tests {
                 )],
             },
             epoch: UNIX_EPOCH + Duration::from_secs(1000),
-            lateness: vec![RankLateness {
+            lateness: Arc::new([RankLateness {
                 rank: 0,
                 host: "10.0.0.1".into(),
                 seconds: 0.5,
                 factor: 2.0,
-            }],
+            }]),
             rounds: Arc::new([
                 Round {
                     generation: 2,

@@ -46,6 +46,15 @@ def entered(calls, state, rank, size):
         emit({"event": "reset", "step": state.step, "rank": rank, "size": size})
 
 
+def take_batch(sampler, samples):
+    """Records this rank's next 2 samples of the epoch as processed (every rank takes as
+    many), starting the next epoch once all ``samples`` are: what an ``ElasticSampler`` in the
+    state goes through in training."""
+    sampler.record_indices(list(sampler)[:2])
+    if sampler.processed_num >= samples:
+        sampler.set_epoch(sampler.epoch + 1)
+
+
 def stepped(state, rank, size):
     """Counts a training step taken at ``size``."""
     state.total += size

@@ -65,10 +65,7 @@ def main():
                 raise SystemExit(f"rank {rank}: allreduce of ones gave {ones.tolist()} in a "
                                  f"world of {size}")
             # Every rank takes the next batch of its part of the epoch.
-            indices = list(state.sampler)[:2]
-            state.sampler.record_indices(indices)
-            if state.sampler.processed_num >= len(dataset):
-                state.sampler.set_epoch(state.sampler.epoch + 1)
+            counter.take_batch(state.sampler, len(dataset))
             opt.zero_grad()
             model(torch.ones(1, 1)).sum().backward()
             opt.step()

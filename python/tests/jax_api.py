@@ -157,13 +157,16 @@ def main():
     expect_error("adasum ints", lambda: hvd.allreduce(jnp.ones(2, jnp.int32), op=hvd.Adasum),
                  "floating")
     expect_error("op", lambda: hvd.allreduce(x, op="sum"), "unknown reduction")
+    expect_error("int scale", lambda: hvd.allreduce(jnp.ones(2, jnp.int32), op=hvd.Sum,
+                                                    prescale_factor=0.5),
+                 "prescale_factor", "floating-point", "int32")
     if n > 1:
         # Mismatched pytrees across ranks: the same clear error on every rank, no hang.
         odd = {"w": x} if r == 0 else {"w": x, "extra": x}
         expect_error("structure", lambda: hvd.allreduce(odd), "different pytrees")
         shaped = {"w": jnp.ones((r + 1,))}
         expect_error("shapes", lambda: hvd.broadcast_parameters(shaped), "different pytrees")
-    cases += 5
+    cases += 6
 
     hvd.barrier()
     print(f"jax ok: rank {r} of {n}, {cases} cases", flush=True)

@@ -60,10 +60,8 @@ def main():
             if not np.all(np.asarray(ones) == size):
                 raise SystemExit(f"rank {rank}: allreduce of ones gave {ones} in a world of "
                                  f"{size}")
-            indices = list(state.sampler)[:2]
-            state.sampler.record_indices(indices)
-            if state.sampler.processed_num >= 64:
-                state.sampler.set_epoch(state.sampler.epoch + 1)
+            # Every rank takes the next batch of its part of the epoch.
+            counter.take_batch(state.sampler, 64)
             state.params, state.opt_state = step(state.params, state.opt_state)
             counter.stepped(state, rank, size)
             counter.commit_or_check(state, args, rank)

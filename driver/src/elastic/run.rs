@@ -155,7 +155,7 @@ struct Driver {
     /// When a straggler's host was last evicted: one host per window at most.
     evicted_at: Option<Instant>,
     /// Rank 0's last lateness report, for the status page, and the round it is of.
-    lateness: (u64, Vec<RankLateness>),
+    lateness: (u64, Arc<[RankLateness]>),
     /// The core's rounds as last published, and the round they end with.
     rounds: (u64, Arc<[Round]>),
 }
@@ -804,7 +804,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
     let (status_tx, status_rx) = tokio::sync::watch::channel(Published {
         snapshot: core.snapshot(Duration::ZERO),
         epoch,
-        lateness: Vec::new(),
+        lateness: Arc::new([]),
         rounds: core.rounds().iter().cloned().collect(),
     });
     let observer = Observer::new(metrics.clone(), t0.elapsed(), &core.snapshot(t0.elapsed()));
@@ -876,7 +876,7 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         observer,
         stragglers,
         evicted_at: None,
-        lateness: (0, Vec::new()),
+        lateness: (0, Arc::new([])),
         rounds: (0, Arc::new([])),
     };
     if record.is_some() {
@@ -964,8 +964,8 @@ pub async fn run(spec: ElasticSpec) -> anyhow::Result<Ending> {
         d.observer.snapshot(d.now(), &snapshot);
         // A report of an earlier round names ranks that may be gone.
         let lateness = match &d.lateness {
-            (g, ranks) if *g == snapshot.generation => ranks.clone(),
-            _ => Vec::new(),
+            (g, ranks) if *g == snapshot.generation => Arc::clone(ranks),
+            _ => Arc::new([]),
         };
         if d.rounds.0 != snapshot.generation {
             d.rounds = (

@@ -85,6 +85,15 @@ def _dtype_name(array):
     return _NAME_OF.get(array.dtype) or array.dtype.name
 
 
+def _scalable(dtype, factors):
+    """A clear error for a scale factor on arrays that are not floating point (an integer
+    array would silently truncate it)."""
+    for which, factor in factors:
+        if factor != 1.0 and not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"{which} applies to floating-point arrays, not "
+                             f"{_np.dtype(dtype).name}")
+
+
 def _reducible(array, what, op):
     """A clear error before any rank waits when ``array``'s type cannot be reduced."""
     name = _dtype_name(array)
@@ -96,15 +105,21 @@ def _reducible(array, what, op):
         raise ValueError(f"hvd.Adasum combines floating-point arrays, not {name}")
 
 
+def _adopt(capsule, device):
+    """The DLPack ``capsule`` of host memory as a ``jax.Array`` on the CPU ``device``, without
+    a copy, through jaxlib's own import."""
+    if _jaxlib_version >= 467:
+        return _import_dlpack(capsule, device, None, False, _KDL_CPU)
+    return _import_dlpack(capsule, device, None, False)
+
+
 def _adopted(out, device):
     """A ``jax.Array`` on the CPU ``device`` over the host buffer ``out``, without a copy
     (None where jaxlib cannot take it so: a type DLPack has no code for, such as bfloat16)."""
     if _import_dlpack is None:
         return None
     try:
-        if _jaxlib_version >= 467:
-            return _import_dlpack(out.__dlpack__(), device, None, False, _KDL_CPU)
-        return _import_dlpack(out.__dlpack__(), device, None, False)
+        return _adopt(out.__dlpack__(), device)
     except (BufferError, TypeError, ValueError, RuntimeError):
         return None
 
@@ -126,9 +141,7 @@ def _allreduced(x, op):
     if capsule is None:
         return None
     # JAX exported the input, so it takes the same type back.
-    if _jaxlib_version >= 467:
-        return _import_dlpack(capsule, device, None, False, _KDL_CPU)
-    return _import_dlpack(capsule, device, None, False)
+    return _adopt(capsule, device)
 
 
 def _like(out, x):
@@ -250,6 +263,9 @@ def _structs(xs):
 
 def _allreduce_leaves(xs, op, prescale, postscale, process_set, name, what, check):
     """The reduced leaves ``xs`` (eager or traced), as one fused op."""
+    scales = (("prescale_factor", prescale), ("postscale_factor", postscale))
+    for x in xs:
+        _scalable(x.dtype, scales)
     if any(_is_traced(x) for x in xs):
         for x in xs:
             _reducible(_np.empty(0, x.dtype), what, op)
@@ -426,6 +442,8 @@ def reducescatter(tensor, op=None, name=None, process_set=global_process_set,
 
     def host(a):
         _reducible(a, "reducescatter", op)
+        _scalable(a.dtype, (("prescale_factor", prescale_factor),
+                            ("postscale_factor", postscale_factor)))
         a = a.copy() if prescale_factor != 1.0 else a
         _scale(a, prescale_factor)
         out = _arrays.reducescatter(a, op.name, process_set)
