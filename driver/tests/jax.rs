@@ -87,16 +87,8 @@ fn the_elastic_jax_example_trains_every_sample_through_a_kill_and_host_changes()
     job.set_hosts(&["127.0.0.2:2"]);
     let (code, err, lines) = job.finish();
     assert_eq!(code, 0, "{err}");
-    let epochs: Vec<&serde_json::Value> = lines
-        .iter()
-        .filter(|l| l.v["event"] == "epoch")
-        .map(|l| &l.v)
-        .collect();
-    assert_eq!(epochs.len(), 5, "{epochs:?}");
-    for e in &epochs {
-        assert_eq!(e["missing"], 0, "{e}");
+    for e in support::trained_epochs(&lines, 5) {
         assert_eq!(e["params_spread"], 0.0, "{e}");
-        assert!(e["accuracy"].as_f64().is_some_and(|a| a > 0.9), "{e}");
     }
     assert!(
         err.contains("worker failed") && err.contains("host left discovery"),

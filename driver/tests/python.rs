@@ -417,16 +417,7 @@ fn the_elastic_example_trains_every_sample_through_a_failure() {
     signal(victim, Signal::SIGKILL);
     let (code, err, lines) = job.finish();
     assert_eq!(code, 0, "{err}");
-    let epochs: Vec<&serde_json::Value> = lines
-        .iter()
-        .filter(|l| l.v["event"] == "epoch")
-        .map(|l| &l.v)
-        .collect();
-    assert_eq!(epochs.len(), 3, "{epochs:?}");
-    for e in &epochs {
-        assert_eq!(e["missing"], 0, "{e}");
-        assert!(e["accuracy"].as_f64().is_some_and(|a| a > 0.9), "{e}");
-    }
+    let epochs = support::trained_epochs(&lines, 3);
     assert_eq!(epochs[2]["size"], 2, "{epochs:?}");
 }
 

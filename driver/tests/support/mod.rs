@@ -853,3 +853,20 @@ pub fn rfc3339_in(d: Duration) -> String {
         secs % 60
     )
 }
+
+/// The `epoch` lines of an elastic example (`examples/python/*_elastic.py`), checked: there
+/// are `epochs` of them, every epoch trained every sample (`missing` 0 across every rank and
+/// reset), and the model learnt (accuracy above 0.9).
+pub fn trained_epochs(lines: &[Line], epochs: usize) -> Vec<&Value> {
+    let found: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l.v["event"] == "epoch")
+        .map(|l| &l.v)
+        .collect();
+    assert_eq!(found.len(), epochs, "{found:?}");
+    for e in &found {
+        assert_eq!(e["missing"], 0, "{e}");
+        assert!(e["accuracy"].as_f64().is_some_and(|a| a > 0.9), "{e}");
+    }
+    found
+}
